@@ -1,0 +1,50 @@
+"""celery-fenced: expiring leases and fencing tokens for Celery tasks on Django."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from celery_fenced.context import current_lease
+from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
+
+if TYPE_CHECKING:
+    from celery_fenced.fencing import FencingTokenField, fenced_update
+    from celery_fenced.store import HeldLease, acquire, force_release
+    from celery_fenced.task import FencedTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FencedError",
+    "FencedTask",
+    "FencingTokenField",
+    "HeldLease",
+    "LeaseBusy",
+    "LeaseLost",
+    "StaleToken",
+    "acquire",
+    "current_lease",
+    "fenced_update",
+    "force_release",
+]
+
+# Names that need Django's app registry are imported on first use, so that
+# ``from celery_fenced import FencedTask`` works in a Celery module loaded before
+# ``django.setup()``.
+_LAZY = {
+    "FencedTask": "celery_fenced.task",
+    "FencingTokenField": "celery_fenced.fencing",
+    "fenced_update": "celery_fenced.fencing",
+    "HeldLease": "celery_fenced.store",
+    "acquire": "celery_fenced.store",
+    "force_release": "celery_fenced.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_fenced' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,18 @@
+"""Django app config: connects the Celery hooks and registers the system checks."""
+
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class CeleryFencedConfig(AppConfig):
+    name = "celery_fenced"
+    label = "celery_fenced"
+    verbose_name = "Celery fenced leases"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from celery_fenced import checks, hooks
+
+        checks.register()
+        hooks.connect()

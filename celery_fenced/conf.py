@@ -1,0 +1,200 @@
+"""Settings, read lazily from the Celery app (and so from Django settings) and validated once.
+
+Every setting is flat: ``fenced_*`` on the Celery app, ``CELERY_FENCED_*`` in Django
+settings when the app is configured with ``namespace="CELERY"``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_fenced.exceptions import FencedConfigurationError
+
+ON_BUSY_CHOICES = ("retry", "skip", "fail")
+TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim")
+
+DEFAULTS: dict[str, Any] = {
+    "fenced_tasks": {},
+    "fenced_default_ttl": 60.0,
+    "fenced_renew_interval": None,
+    "fenced_on_busy": "retry",
+    "fenced_database": None,
+}
+
+
+def validate_ttl(value: object, name: str) -> float:
+    """Return ``value`` as seconds, or raise naming ``name`` and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FencedConfigurationError(
+            f"{name} must be a number of seconds greater than 0, got {value!r}"
+        )
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise FencedConfigurationError(
+            f"{name} must be a number of seconds greater than 0, got {value!r}"
+        )
+    return seconds
+
+
+def validate_on_busy(value: object, name: str) -> str:
+    if value not in ON_BUSY_CHOICES:
+        raise FencedConfigurationError(
+            f"{name} must be one of {', '.join(map(repr, ON_BUSY_CHOICES))}, got {value!r}"
+        )
+    return str(value)
+
+
+def validate_renew_interval(value: object, ttl: float, name: str) -> float:
+    interval = validate_ttl(value, name)
+    if interval >= ttl:
+        raise FencedConfigurationError(
+            f"{name} must be shorter than the lease ttl ({ttl:g}s), got {value!r}"
+        )
+    return interval
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """The fencing options of one task, from its class or from ``fenced_tasks``."""
+
+    ttl: float
+    on_busy: str
+    renew_interval: float
+    key: Any = None  # a str.format template, a callable, or None for the default key
+
+
+@dataclass(frozen=True)
+class FencedSettings:
+    tasks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    default_ttl: float = 60.0
+    renew_interval: float | None = None
+    on_busy: str = "retry"
+    database: str | None = None
+
+    def options_for(self, task_name: str) -> dict[str, Any] | None:
+        """The ``fenced_tasks`` options that select ``task_name``, or None.
+
+        An exact name wins over glob patterns; among patterns the longest wins.
+        """
+        if task_name in self.tasks:
+            return dict(self.tasks[task_name])
+        matches = [p for p in self.tasks if fnmatch.fnmatchcase(task_name, p)]
+        if not matches:
+            return None
+        return dict(self.tasks[max(matches, key=len)])
+
+    def task_options(
+        self,
+        where: str,
+        *,
+        ttl: object = None,
+        on_busy: object = None,
+        renew_interval: object = None,
+        key: object = None,
+    ) -> TaskOptions:
+        """Merge one task's options over the global defaults and validate them."""
+        real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
+        busy = validate_on_busy(self.on_busy if on_busy is None else on_busy, f"{where} on_busy")
+        raw_interval = renew_interval if renew_interval is not None else self.renew_interval
+        if raw_interval is None:
+            interval = real_ttl / 3
+        else:
+            interval = validate_renew_interval(raw_interval, real_ttl, f"{where} renew interval")
+        if key is not None and not (isinstance(key, str) or callable(key)):
+            raise FencedConfigurationError(
+                f"{where} key must be a str.format template or a callable "
+                f"(args, kwargs) -> str, got {key!r}"
+            )
+        if isinstance(key, str) and not key.strip():
+            raise FencedConfigurationError(f"{where} key must not be empty")
+        return TaskOptions(ttl=real_ttl, on_busy=busy, renew_interval=interval, key=key)
+
+
+def _raw_settings(app: Any = None) -> dict[str, Any]:
+    values = dict(DEFAULTS)
+    conf = None
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    conf = app.conf
+    for name in DEFAULTS:
+        value = conf.get(name)
+        if value is None:
+            value = _django_setting(name)
+        if value is not None:
+            values[name] = value
+    return values
+
+
+def _django_setting(name: str) -> Any:
+    from django.conf import settings
+
+    if not settings.configured:
+        return None
+    return getattr(settings, f"CELERY_{name.upper()}", None)
+
+
+def load(app: Any = None) -> FencedSettings:
+    """Read and validate the ``fenced_*`` settings of ``app`` (default: the current app)."""
+    raw = _raw_settings(app)
+    tasks = raw["fenced_tasks"]
+    if not isinstance(tasks, Mapping):
+        raise FencedConfigurationError(
+            "fenced_tasks (CELERY_FENCED_TASKS) must be a dict mapping task names or glob "
+            f"patterns to option dicts, got {type(tasks).__name__}"
+        )
+    default_ttl = validate_ttl(raw["fenced_default_ttl"], "fenced_default_ttl")
+    interval = raw["fenced_renew_interval"]
+    if interval is not None:
+        interval = validate_renew_interval(interval, default_ttl, "fenced_renew_interval")
+    on_busy = validate_on_busy(raw["fenced_on_busy"], "fenced_on_busy")
+    database = raw["fenced_database"]
+    if database is not None:
+        _validate_database(database)
+    settings = FencedSettings(
+        tasks=tasks,
+        default_ttl=default_ttl,
+        renew_interval=interval,
+        on_busy=on_busy,
+        database=database,
+    )
+    for pattern, options in tasks.items():
+        where = f"fenced_tasks[{pattern!r}]"
+        if not isinstance(pattern, str) or not pattern:
+            raise FencedConfigurationError(
+                f"fenced_tasks keys must be task names or glob patterns, got {pattern!r}"
+            )
+        if not isinstance(options, Mapping):
+            raise FencedConfigurationError(
+                f"{where} must be a dict of options ({', '.join(TASK_OPTION_NAMES)}), "
+                f"got {options!r}"
+            )
+        unknown = set(options) - set(TASK_OPTION_NAMES)
+        if unknown:
+            raise FencedConfigurationError(
+                f"{where} has unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
+                f"allowed: {', '.join(TASK_OPTION_NAMES)}"
+            )
+        settings.task_options(
+            where,
+            ttl=options.get("ttl"),
+            on_busy=options.get("on_busy"),
+            renew_interval=options.get("renew_interval"),
+            key=options.get("key"),
+        )
+    return settings
+
+
+def _validate_database(alias: object) -> None:
+    from django.db import connections
+
+    if not isinstance(alias, str) or alias not in connections.settings:
+        known = ", ".join(sorted(connections.settings))
+        raise FencedConfigurationError(
+            f"fenced_database must name a database alias in DATABASES ({known}), got {alias!r}"
+        )

@@ -1,0 +1,567 @@
+"""The lease store's SQL: one implementation per database family.
+
+This is the only module that knows SQL dialects. Every expiry decision is made inside a
+statement with the database's own clock; no worker clock is ever compared with
+``expires_at``. PostgreSQL does each operation, event included, in one statement (a
+data-modifying CTE); SQLite does the state change in one ``INSERT … ON CONFLICT … DO
+UPDATE … WHERE … RETURNING`` and writes the event in the same transaction; any other
+database gets a transactional fallback through the ORM with row locks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F
+from django.utils.dateparse import parse_datetime
+
+from celery_fenced.models import Lease, LeaseEvent
+
+LEASE = Lease._meta.db_table
+EVENT = LeaseEvent._meta.db_table
+
+
+@dataclass(frozen=True)
+class Grant:
+    lease_id: int
+    token: int
+    expires_at: dt.datetime
+    reclaimed_from: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    token: int
+    owner: str
+    expires_at: dt.datetime
+    remaining: float
+
+
+@dataclass(frozen=True)
+class Renewal:
+    key: str
+    token: int
+    owner: str
+    ttl: float
+
+
+def _aware(value: Any) -> dt.datetime:
+    if isinstance(value, str):
+        parsed = parse_datetime(value)
+        if parsed is None:  # pragma: no cover - the database wrote it
+            raise ValueError(f"unparseable timestamp {value!r}")
+        value = parsed
+    if not isinstance(value, dt.datetime):  # pragma: no cover - the database wrote it
+        raise TypeError(f"expected a timestamp, got {value!r}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value
+
+
+class Dialect:
+    """Portable fallback: transactions with row locks through the ORM."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        return connections[self.alias]
+
+    # -- acquire ---------------------------------------------------------------------
+    def acquire(
+        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+    ) -> Grant | Holder:
+        with transaction.atomic(using=self.alias):
+            manager = Lease._default_manager.using(self.alias)
+            now = self.now()
+            expires = now + dt.timedelta(seconds=ttl)
+            row = manager.select_for_update().filter(key=key).first()
+            if row is None:
+                row = manager.create(
+                    key=key,
+                    token=1,
+                    owner=owner,
+                    task_id=task_id,
+                    task_name=task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=expires,
+                )
+                reclaimed_from = ""
+            elif row.released_at is None and row.expires_at > now:
+                self._event(row.pk, "busy", row.token, task_id, owner, now, {"holder": row.owner})
+                return Holder(
+                    row.token, row.owner, row.expires_at, (row.expires_at - now).total_seconds()
+                )
+            else:
+                reclaimed_from = row.owner if row.released_at is None else ""
+                manager.filter(pk=row.pk).update(
+                    token=F("token") + 1,
+                    owner=owner,
+                    task_id=task_id,
+                    task_name=task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=expires,
+                    released_at=None,
+                    reclaimed_from=reclaimed_from,
+                )
+                row.refresh_from_db(fields=["token"])
+            self._grant_event(row.pk, row.token, task_id, owner, now, reclaimed_from)
+            return Grant(row.pk, row.token, expires, reclaimed_from)
+
+    def now(self) -> dt.datetime:
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP")
+            row = cursor.fetchone()
+        return _aware(row[0])
+
+    def _grant_event(
+        self,
+        lease_id: int,
+        token: int,
+        task_id: str,
+        owner: str,
+        now: dt.datetime,
+        reclaimed_from: str,
+    ) -> None:
+        if reclaimed_from:
+            self._event(
+                lease_id,
+                "reclaimed",
+                token,
+                task_id,
+                owner,
+                now,
+                {"previous_owner": reclaimed_from, "previous_token": token - 1},
+            )
+        else:
+            self._event(lease_id, "acquired", token, task_id, owner, now, {})
+
+    def _event(
+        self,
+        lease_id: int,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        at: dt.datetime | None,
+        detail: dict[str, Any],
+    ) -> None:
+        LeaseEvent._default_manager.using(self.alias).create(
+            lease_id=lease_id,
+            kind=kind,
+            token=token,
+            task_id=task_id,
+            owner=owner,
+            at=at or self.now(),
+            detail=detail,
+        )
+
+    # -- renew -----------------------------------------------------------------------
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        """Extend every lease in ``leases`` still held; return the new expiry of each."""
+        renewed: dict[tuple[str, int], dt.datetime] = {}
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            for lease in leases:
+                expires = now + dt.timedelta(seconds=lease.ttl)
+                count = (
+                    Lease._default_manager.using(self.alias)
+                    .filter(
+                        key=lease.key,
+                        token=lease.token,
+                        owner=lease.owner,
+                        released_at__isnull=True,
+                        expires_at__gt=now,
+                    )
+                    .update(renewed_at=now, expires_at=expires)
+                )
+                if count:
+                    renewed[(lease.key, lease.token)] = expires
+        return renewed
+
+    # -- release ---------------------------------------------------------------------
+    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            row = (
+                manager.select_for_update()
+                .filter(key=key, token=token, owner=owner, released_at__isnull=True)
+                .first()
+            )
+            if row is None:
+                return False
+            manager.filter(pk=row.pk).update(released_at=now)
+            self._event(row.pk, "released", token, task_id, owner, now, {})
+            return True
+
+    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            row = manager.select_for_update().filter(key=key, released_at__isnull=True).first()
+            if row is None:
+                return None
+            manager.filter(pk=row.pk).update(released_at=now)
+            self._event(
+                row.pk, "force_released", row.token, row.task_id, row.owner, now, {"by": by}
+            )
+            return row.token, row.owner
+
+    # -- fencing ---------------------------------------------------------------------
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        """Lock the lease row and tell whether ``token`` is its current, unexpired grant.
+
+        Must run inside a transaction: the lock is held until it ends, so no newer grant
+        can be issued before the caller's writes commit. Returns ``(ok, current_token)``.
+        """
+        now = self.now()
+        row = (
+            Lease._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(key=key)
+            .values_list("token", "released_at", "expires_at")
+            .first()
+        )
+        if row is None:
+            return False, None
+        current, released_at, expires_at = row
+        return (current == token and released_at is None and expires_at > now), current
+
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        lease_id = (
+            Lease._default_manager.using(self.alias)
+            .filter(key=key)
+            .values_list("pk", flat=True)
+            .first()
+        )
+        if lease_id is not None:
+            self._event(lease_id, kind, token, task_id, owner, None, detail)
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        now = self.now()
+        return (
+            Lease._default_manager.using(self.alias)
+            .filter(
+                key=key, token=token, owner=owner, released_at__isnull=True, expires_at__gt=now
+            )
+            .exists()
+        )
+
+
+class SQLDialect(Dialect):
+    """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
+
+    NOW: str
+    JSON: str
+
+    def expiry(self, ttl_sql: str) -> str:
+        raise NotImplementedError
+
+    def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+
+    def now(self) -> dt.datetime:
+        return _aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
+
+    def _upsert(self) -> str:
+        now = self.NOW
+        return f"""
+            INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
+                                      renewed_at, expires_at, released_at, reclaimed_from)
+            VALUES (%s, 1, %s, %s, %s, {now}, {now}, {self.expiry("%s")}, NULL, '')
+            ON CONFLICT (key) DO UPDATE SET
+                token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
+                task_name = excluded.task_name, acquired_at = excluded.acquired_at,
+                renewed_at = excluded.renewed_at, expires_at = excluded.expires_at,
+                released_at = NULL,
+                reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END
+            WHERE l.released_at IS NOT NULL OR l.expires_at <= {now}
+            RETURNING id, token, expires_at, reclaimed_from"""
+
+    def _busy_select(self) -> str:
+        return f"""
+            SELECT id, token, owner, expires_at, {self.remaining("expires_at")} AS remaining
+            FROM {LEASE} WHERE key = %s"""
+
+    def remaining(self, column: str) -> str:
+        raise NotImplementedError
+
+    VALUES_ROW = "(%s, %s, %s, %s)"
+
+    def _renew_sql(self, count: int) -> str:
+        values = ", ".join([self.VALUES_ROW] * count)
+        now = self.NOW
+        return f"""
+            WITH v(k, t, o, ttl) AS (VALUES {values})
+            UPDATE {LEASE} SET renewed_at = {now}, expires_at = {self.expiry("v.ttl")}
+            FROM v
+            WHERE {LEASE}.key = v.k AND {LEASE}.token = v.t AND {LEASE}.owner = v.o
+              AND {LEASE}.released_at IS NULL AND {LEASE}.expires_at > {now}
+            RETURNING {LEASE}.key, {LEASE}.token, {LEASE}.expires_at"""
+
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        if not leases:
+            return {}
+        params: list[Any] = []
+        for lease in leases:
+            params += [lease.key, lease.token, lease.owner, self.ttl_param(lease.ttl)]
+        rows = self._fetch(self._renew_sql(len(leases)), params)
+        return {(key, token): _aware(expires) for key, token, expires in rows}
+
+    def ttl_param(self, ttl: float) -> Any:
+        return ttl
+
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        self._fetch(
+            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                SELECT id, %s, %s, %s, %s, {self.NOW}, {self.JSON}
+                FROM {LEASE} WHERE key = %s RETURNING id""",
+            [kind, token, task_id, owner, json.dumps(detail), key],
+        )
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        rows = self._fetch(
+            f"""SELECT 1 FROM {LEASE} WHERE key = %s AND token = %s AND owner = %s
+                AND released_at IS NULL AND expires_at > {self.NOW}""",
+            [key, token, owner],
+        )
+        return bool(rows)
+
+
+class PostgreSQL(SQLDialect):
+    """One statement per operation: the state change and its event in one CTE."""
+
+    NOW = "statement_timestamp()"
+    JSON = "%s::jsonb"
+
+    def expiry(self, ttl_sql: str) -> str:
+        return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
+
+    def remaining(self, column: str) -> str:
+        return f"GREATEST(EXTRACT(EPOCH FROM {column} - statement_timestamp()), 0)::float8"
+
+    # VALUES needs typed columns for the comparisons with bigint and the interval
+    VALUES_ROW = "(%s, %s::bigint, %s, %s::float8)"
+
+    def acquire(
+        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+    ) -> Grant | Holder:
+        rows = self._fetch(
+            f"""WITH granted AS ({self._upsert()}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, CASE WHEN reclaimed_from = '' THEN 'acquired' ELSE 'reclaimed' END,
+                           token, %s, %s, statement_timestamp(),
+                           CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
+                           jsonb_build_object('previous_owner', reclaimed_from,
+                                              'previous_token', token - 1) END
+                    FROM granted)
+                SELECT id, token, expires_at, reclaimed_from FROM granted""",
+            [key, owner, task_id, task_name, ttl, task_id, owner],
+        )
+        if rows:
+            lease_id, token, expires_at, reclaimed_from = rows[0]
+            return Grant(lease_id, token, _aware(expires_at), reclaimed_from)
+        rows = self._fetch(
+            f"""WITH holder AS ({self._busy_select()}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'busy', token, %s, %s, statement_timestamp(),
+                           jsonb_build_object('holder', owner)
+                    FROM holder)
+                SELECT token, owner, expires_at, remaining FROM holder""",
+            [key, task_id, owner],
+        )
+        return _holder(rows)
+
+    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp()
+                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
+                    RETURNING id, token),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'released', token, %s, %s, statement_timestamp(), '{{}}'::jsonb
+                    FROM r)
+                SELECT token FROM r""",
+            [key, token, owner, task_id, owner],
+        )
+        return bool(rows)
+
+    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp()
+                    WHERE key = %s AND released_at IS NULL
+                    RETURNING id, token, owner, task_id),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'force_released', token, task_id, owner, statement_timestamp(),
+                           jsonb_build_object('by', %s::text)
+                    FROM r)
+                SELECT token, owner FROM r""",
+            [key, by],
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        rows = self._fetch(
+            f"""SELECT token, released_at IS NULL AND expires_at > statement_timestamp()
+                FROM {LEASE} WHERE key = %s FOR UPDATE""",
+            [key],
+        )
+        if not rows:
+            return False, None
+        current, live = rows[0]
+        return (current == token and bool(live)), current
+
+
+class SQLite(SQLDialect):
+    """SQLite: the upsert is one statement; its event joins it in one transaction.
+
+    Times are written by SQLite's own clock in Django's text format, so they compare
+    as text with the values Django writes.
+    """
+
+    NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+    JSON = "%s"
+
+    def expiry(self, ttl_sql: str) -> str:
+        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
+
+    def remaining(self, column: str) -> str:
+        return f"max((julianday({column}) - julianday('now')) * 86400.0, 0.0)"
+
+    def ttl_param(self, ttl: float) -> Any:
+        return repr(float(ttl))
+
+    def acquire(
+        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+    ) -> Grant | Holder:
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                self._upsert(), [key, owner, task_id, task_name, self.ttl_param(ttl)]
+            )
+            if rows:
+                lease_id, token, expires_at, reclaimed_from = rows[0]
+                if reclaimed_from:
+                    kind = "reclaimed"
+                    detail = {"previous_owner": reclaimed_from, "previous_token": token - 1}
+                else:
+                    kind, detail = "acquired", {}
+                self._insert_event(lease_id, kind, token, task_id, owner, detail)
+                return Grant(lease_id, token, _aware(expires_at), reclaimed_from)
+            rows = self._fetch(self._busy_select(), [key])
+            if rows:
+                self._insert_event(
+                    rows[0][0], "busy", rows[0][1], task_id, owner, {"holder": rows[0][2]}
+                )
+            return _holder([row[1:] for row in rows])
+
+    def _insert_event(
+        self,
+        lease_id: int,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        self._fetch(
+            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                VALUES (%s, %s, %s, %s, %s, {self.NOW}, %s) RETURNING id""",
+            [lease_id, kind, token, task_id, owner, json.dumps(detail)],
+        )
+
+    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}
+                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
+                    RETURNING id""",
+                [key, token, owner],
+            )
+            if rows:
+                self._insert_event(rows[0][0], "released", token, task_id, owner, {})
+            return bool(rows)
+
+    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}
+                    WHERE key = %s AND released_at IS NULL
+                    RETURNING id, token, owner, task_id""",
+                [key],
+            )
+            if not rows:
+                return None
+            lease_id, token, owner, task_id = rows[0]
+            self._insert_event(lease_id, "force_released", token, task_id, owner, {"by": by})
+            return token, owner
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        # A conditional no-op write takes SQLite's write lock for the rest of the
+        # transaction: no grant can be issued until the caller's writes commit.
+        rows = self._fetch(
+            f"""UPDATE {LEASE} SET token = token
+                WHERE key = %s AND token = %s AND released_at IS NULL
+                  AND expires_at > {self.NOW}
+                RETURNING token""",
+            [key, token],
+        )
+        if rows:
+            return True, token
+        current = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
+        return False, (current[0][0] if current else None)
+
+
+def _holder(rows: Sequence[Sequence[Any]]) -> Holder:
+    if not rows:
+        # The row was released between the two statements: report a zero wait.
+        return Holder(0, "", dt.datetime.now(dt.timezone.utc), 0.0)
+    token, owner, expires_at, remaining = rows[0]
+    return Holder(token, owner, _aware(expires_at), float(remaining))
+
+
+def for_alias(alias: str, *, portable: bool = False) -> Dialect:
+    """The dialect for database ``alias`` (``portable=True`` forces the ORM fallback)."""
+    vendor = connections[alias].vendor
+    if portable:
+        return Dialect(alias)
+    if vendor == "postgresql":
+        return PostgreSQL(alias)
+    if vendor == "sqlite":
+        return SQLite(alias)
+    return Dialect(alias)
+
+
+__all__ = ["Dialect", "Grant", "Holder", "Renewal", "for_alias"]

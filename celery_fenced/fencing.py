@@ -1,0 +1,91 @@
+"""Fencing your own tables: a token column and a conditional update."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from django.db import models, transaction
+from django.db.models import Q, QuerySet
+
+from celery_fenced import store
+from celery_fenced.context import _guards, current_lease
+
+M = TypeVar("M", bound=models.Model)
+
+
+class FencingTokenField(models.BigIntegerField):  # type: ignore[type-arg]
+    """The fencing token of the row's last fenced writer (0 before any).
+
+    ``fencing_token = FencingTokenField()`` is all a model needs for :func:`fenced_update`.
+    """
+
+    description = "Fencing token of the last writer"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("default", 0)
+        kwargs.setdefault("db_index", False)
+        super().__init__(*args, **kwargs)
+
+
+class _Newer(Exception):
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+
+def fenced_update(
+    queryset: QuerySet[M], *, token: int, field: str = "fencing_token", **values: Any
+) -> int:
+    """Update the rows of ``queryset`` unless one holds a token newer than ``token``.
+
+    Stamps ``token`` into ``field`` and returns the number of rows updated. Raises
+    :class:`~celery_fenced.StaleToken` (naming the newer token) and changes nothing when a
+    row holds a newer one. Inside a fenced task or a ``guard()`` holding ``token``, the
+    same transaction also proves that ``token`` is still the lease's current one.
+    """
+    if isinstance(token, bool) or not isinstance(token, int) or token < 1:
+        raise ValueError(f"token must be a fencing token (an int >= 1), got {token!r}")
+    model = queryset.model
+    try:
+        model._meta.get_field(field)
+    except Exception:
+        raise ValueError(
+            f"field {field!r} is not a field of {model._meta.label}; name its token column "
+            "(a FencingTokenField) with field="
+        ) from None
+    if field in values:
+        raise ValueError(f"{field!r} is stamped by fenced_update; do not pass it in values")
+
+    alias = queryset.db
+
+    def run() -> int:
+        with transaction.atomic(using=alias):
+            allowed = Q(**{f"{field}__lte": token}) | Q(**{f"{field}__isnull": True})
+            updated = queryset.filter(allowed).update(**values, **{field: token})
+            newer = (
+                queryset.filter(**{f"{field}__gt": token})
+                .order_by(f"-{field}")
+                .values_list(field, flat=True)
+                .first()
+            )
+            if newer is not None:
+                raise _Newer(int(newer))
+            return updated
+
+    lease = current_lease()
+    proven = any(t == token for _, _, t in _guards.get())
+    try:
+        if lease is not None and lease.token == token and not proven:
+            with lease.guard():
+                return run()
+        return run()
+    except _Newer as newer:
+        key = lease.key if lease is not None and lease.token == token else model._meta.label
+        raise store.reject_stale(
+            key,
+            token,
+            newer.token,
+            using=lease.alias if lease else alias,
+            task_id=lease.task_id if lease else "",
+            owner=lease.owner if lease else "",
+            what=f"update of {model._meta.label}",
+        ) from None

@@ -1,0 +1,93 @@
+"""The lease table and its audit trail. Fields and constraints only: the store does the I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django
+from django.db import models
+from django.db.models import Q
+
+KEY_MAX_LENGTH = 255
+OWNER_MAX_LENGTH = 255
+
+
+def _check(condition: Q, name: str) -> models.CheckConstraint:
+    # Django 5.1 renamed ``check=`` to ``condition=``; 4.2 only knows ``check=``.
+    kwargs: dict[str, Any] = (
+        {"condition": condition} if django.VERSION >= (5, 1) else {"check": condition}
+    )
+    return models.CheckConstraint(name=name, **kwargs)
+
+
+class Lease(models.Model):
+    """One row per job key: the current (or last) grant and its fencing token."""
+
+    key = models.CharField(max_length=KEY_MAX_LENGTH)
+    token = models.BigIntegerField(help_text="Fencing token of the current or last grant.")
+    owner = models.CharField(max_length=OWNER_MAX_LENGTH)
+    task_id = models.CharField(max_length=255, blank=True, default="")
+    task_name = models.CharField(max_length=255, blank=True, default="")
+    acquired_at = models.DateTimeField()
+    renewed_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+    reclaimed_from = models.CharField(
+        max_length=OWNER_MAX_LENGTH,
+        blank=True,
+        default="",
+        help_text="Owner whose expired grant this grant took over ('' when the key was free).",
+    )
+
+    class Meta:
+        verbose_name = "lease"
+        constraints = [
+            models.UniqueConstraint(fields=["key"], name="celery_fenced_lease_key_uniq"),
+            _check(Q(token__gte=1), "celery_fenced_lease_token_positive"),
+            _check(Q(expires_at__gte=models.F("acquired_at")), "celery_fenced_lease_expiry_order"),
+        ]
+        indexes = [
+            models.Index(fields=["expires_at"], name="celery_fenced_lease_expires"),
+            models.Index(fields=["task_name"], name="celery_fenced_lease_task"),
+            models.Index(fields=["task_id"], name="celery_fenced_lease_task_id"),
+            models.Index(fields=["-acquired_at"], name="celery_fenced_lease_acquired"),
+        ]
+        permissions = [("force_release_lease", "Can force-release a lease")]
+
+    def __str__(self) -> str:
+        return f"{self.key} (token {self.token})"
+
+
+class LeaseEvent(models.Model):
+    """The audit trail of a key: grants, releases, losses and rejected writes."""
+
+    class Kind(models.TextChoices):
+        ACQUIRED = "acquired"
+        RECLAIMED = "reclaimed"
+        RELEASED = "released"
+        LOST = "lost"
+        BUSY = "busy"
+        STALE_WRITE_REJECTED = "stale_write_rejected"
+        FORCE_RELEASED = "force_released"
+        DUPLICATE = "duplicate"
+
+    lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    token = models.BigIntegerField(null=True, blank=True)
+    task_id = models.CharField(max_length=255, blank=True, default="")
+    owner = models.CharField(max_length=OWNER_MAX_LENGTH, blank=True, default="")
+    at = models.DateTimeField()
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        verbose_name = "lease event"
+        ordering = ["-at", "-id"]
+        indexes = [
+            models.Index(fields=["lease", "-at"], name="celery_fenced_event_lease_at"),
+            models.Index(fields=["kind", "-at"], name="celery_fenced_event_kind_at"),
+            models.Index(fields=["task_id"], name="celery_fenced_event_task_id"),
+            models.Index(fields=["at"], name="celery_fenced_event_at"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} token={self.token} at {self.at:%Y-%m-%d %H:%M:%S}"

@@ -1,0 +1,391 @@
+"""The lease store: acquire, renew, release, force-release and guard.
+
+Usable without Celery::
+
+    lease = acquire("report:42", ttl=30)
+    with lease.guard():
+        Report.objects.filter(pk=42).update(...)
+    lease.release()
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import router, transaction
+
+from celery_fenced import conf, dialects, signals
+from celery_fenced.context import _guards
+from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
+from celery_fenced.models import KEY_MAX_LENGTH, OWNER_MAX_LENGTH, Lease
+
+logger = logging.getLogger(__name__)
+
+
+def database_alias(using: str | None = None) -> str:
+    """The database alias of the lease table: ``using``, ``fenced_database`` or the router's."""
+    if using is not None:
+        return using
+    configured = conf.load().database
+    return configured or router.db_for_write(Lease)
+
+
+def default_owner() -> str:
+    """``host:pid:thread:random`` — unique per call, readable in the admin."""
+    return (
+        f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident() % 100000}:"
+        f"{uuid.uuid4().hex[:8]}"
+    )
+
+
+def validate_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty string, got {key!r}")
+    if len(key) > KEY_MAX_LENGTH:
+        raise ValueError(
+            f"key must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
+        )
+    return key
+
+
+def validate_owner(owner: object) -> str:
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+    if len(owner) > OWNER_MAX_LENGTH:
+        raise ValueError(f"owner must be at most {OWNER_MAX_LENGTH} characters, got {len(owner)}")
+    return owner
+
+
+def validate_ttl(ttl: object) -> float:
+    try:
+        return conf.validate_ttl(ttl, "ttl")
+    except FencedError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class HeldLease:
+    """A granted lease: the key, its fencing token and the operations of its holder."""
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        token: int,
+        owner: str,
+        expires_at: dt.datetime,
+        ttl: float,
+        alias: str,
+        task_id: str = "",
+        reclaimed_from: str = "",
+        renew_interval: float | None = None,
+    ) -> None:
+        self.key = key
+        self.token = token
+        self.owner = owner
+        self.expires_at = expires_at
+        self.ttl = ttl
+        self.alias = alias
+        self.task_id = task_id
+        self.reclaimed_from = reclaimed_from
+        self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
+        self.released = False
+        self._lost_reason: str | None = None
+        # monotonic time when the last successful grant/renewal statement was *sent*:
+        # the grant is known to run until at least this + ttl
+        self._confirmed_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self.released else "held"
+        return f"<HeldLease {self.key!r} token={self.token} {state}>"
+
+    @property
+    def lost(self) -> bool:
+        """True once the holder has learned its grant is gone."""
+        return self._lost_reason is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost_reason
+
+    @property
+    def local_deadline(self) -> float:
+        """Monotonic time by which the grant has surely expired unless renewed."""
+        return self._confirmed_at + self.ttl
+
+    def renew(self) -> dt.datetime:
+        """Extend the grant by its ttl. Raises :class:`LeaseLost` if it is no longer held."""
+        self._raise_if_lost()
+        sent = time.monotonic()
+        renewed = dialects.for_alias(self.alias).renew(
+            [dialects.Renewal(self.key, self.token, self.owner, self.ttl)]
+        )
+        self.confirm_renewal(sent, renewed.get((self.key, self.token)))
+        self._raise_if_lost()
+        return self.expires_at
+
+    def confirm_renewal(self, sent: float, expires_at: dt.datetime | None) -> None:
+        """Record the outcome of a renewal statement sent at monotonic time ``sent``."""
+        if expires_at is None:
+            self.mark_lost("renewal refused: the grant expired, was released or taken over")
+            return
+        with self._lock:
+            self.expires_at = expires_at
+            self._confirmed_at = max(self._confirmed_at, sent)
+
+    def release(self) -> bool:
+        """End the grant. Returns False (and marks the lease lost) if it was already gone."""
+        if self.released:
+            return True
+        ok = dialects.for_alias(self.alias).release(self.key, self.token, self.owner, self.task_id)
+        self.released = True
+        if ok:
+            signals.lease_released.send(
+                sender=Lease,
+                key=self.key,
+                token=self.token,
+                owner=self.owner,
+                task_id=self.task_id,
+                forced=False,
+            )
+            logger.debug("lease released", extra=self._log_extra())
+        else:
+            self.mark_lost("release refused: the grant had already ended")
+        return ok
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if the grant was taken away.
+
+        Cheap while renewals keep confirming the grant; when none has for a renewal
+        interval (a paused process, a stalled renewer) it asks the database.
+        """
+        self._raise_if_lost()
+        if self.released:
+            raise LeaseLost(self.key, self.token, "released")
+        if time.monotonic() - self._confirmed_at > self.renew_interval:
+            sent = time.monotonic()
+            if dialects.for_alias(self.alias).is_current(self.key, self.token, self.owner):
+                with self._lock:
+                    self._confirmed_at = max(
+                        self._confirmed_at, sent - self.ttl + self.renew_interval
+                    )
+            else:
+                self.mark_lost("the grant expired, was released or taken over")
+        self._raise_if_lost()
+
+    @contextmanager
+    def guard(self) -> Iterator[HeldLease]:
+        """A transaction whose writes commit only if this token is still current.
+
+        Locks the lease row (PostgreSQL) or the database (SQLite) first, so no newer
+        grant can be issued before the writes commit. Raises :class:`StaleToken` and
+        rolls back when the token is no longer current.
+        """
+        with fenced_transaction(self.key, self.token, using=self.alias, lease=self):
+            yield self
+
+    def mark_lost(self, reason: str) -> None:
+        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``."""
+        with self._lock:
+            if self._lost_reason is not None or self.released:
+                if self._lost_reason is None:
+                    self._lost_reason = reason
+                return
+            self._lost_reason = reason
+        logger.warning(
+            "lease %r lost under token %s: %s",
+            self.key,
+            self.token,
+            reason,
+            extra=self._log_extra(),
+        )
+        try:
+            dialects.for_alias(self.alias).record_event(
+                self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
+            )
+        except Exception:  # the database may be what failed; the event is best effort
+            logger.info("could not record the lost event for %r", self.key, exc_info=True)
+        signals.lease_lost.send(
+            sender=Lease,
+            key=self.key,
+            token=self.token,
+            owner=self.owner,
+            task_id=self.task_id,
+            reason=reason,
+        )
+
+    def _raise_if_lost(self) -> None:
+        if self._lost_reason is not None:
+            raise LeaseLost(self.key, self.token, self._lost_reason)
+
+    def _log_extra(self) -> dict[str, Any]:
+        return {"lease_key": self.key, "fencing_token": self.token, "lease_owner": self.owner}
+
+
+def acquire(
+    key: str,
+    *,
+    ttl: float,
+    owner: str | None = None,
+    task_id: str = "",
+    task_name: str = "",
+    using: str | None = None,
+    renew_interval: float | None = None,
+) -> HeldLease:
+    """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
+
+    One atomic statement grants the lease when the key is free, released or expired
+    (by the database's clock) and issues the next fencing token.
+    """
+    key = validate_key(key)
+    seconds = validate_ttl(ttl)
+    owner = validate_owner(owner) if owner is not None else default_owner()
+    alias = database_alias(using)
+    sent = time.monotonic()
+    outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name)
+    if isinstance(outcome, dialects.Holder):
+        raise LeaseBusy(
+            key,
+            holder=outcome.owner,
+            token=outcome.token,
+            expires_at=outcome.expires_at,
+            remaining=outcome.remaining,
+        )
+    lease = HeldLease(
+        key=key,
+        token=outcome.token,
+        owner=owner,
+        expires_at=outcome.expires_at,
+        ttl=seconds,
+        alias=alias,
+        task_id=task_id,
+        reclaimed_from=outcome.reclaimed_from,
+        renew_interval=renew_interval,
+    )
+    lease._confirmed_at = sent
+    signals.lease_acquired.send(
+        sender=Lease,
+        key=key,
+        token=lease.token,
+        owner=owner,
+        task_id=task_id,
+        reclaimed_from=outcome.reclaimed_from,
+    )
+    logger.debug("lease acquired", extra=lease._log_extra())
+    return lease
+
+
+def force_release(key: str, *, by: str | None = None, using: str | None = None) -> int | None:
+    """End the current grant on ``key`` and fence its holder out.
+
+    The holder's next renew, guard or result write fails. Returns the token that was
+    ended, or None when nothing was held. The next grant gets a higher token.
+    """
+    key = validate_key(key)
+    alias = database_alias(using)
+    ended = dialects.for_alias(alias).force_release(key, by or "")
+    if ended is None:
+        return None
+    token, owner = ended
+    logger.warning(
+        "lease %r force-released (token %s, holder %s) by %s",
+        key,
+        token,
+        owner,
+        by or "-",
+        extra={"lease_key": key, "fencing_token": token, "lease_owner": owner},
+    )
+    signals.lease_released.send(
+        sender=Lease, key=key, token=token, owner=owner, task_id="", forced=True
+    )
+    return token
+
+
+def reject_stale(
+    key: str,
+    token: int,
+    current: int | None,
+    *,
+    using: str,
+    task_id: str = "",
+    owner: str = "",
+    what: str = "write",
+) -> StaleToken:
+    """Record, signal and log a refused write; return the :class:`StaleToken` to raise."""
+    logger.warning(
+        "stale %s rejected for %r: token %s, current token %s",
+        what,
+        key,
+        token,
+        current,
+        extra={"lease_key": key, "fencing_token": token, "current_token": current},
+    )
+    try:
+        with transaction.atomic(using=using):
+            dialects.for_alias(using).record_event(
+                key,
+                "stale_write_rejected",
+                token,
+                task_id,
+                owner,
+                {"current_token": current, "what": what},
+            )
+    except Exception:
+        logger.info("could not record the stale_write_rejected event", exc_info=True)
+    signals.stale_write_rejected.send(
+        sender=Lease, key=key, token=token, owner=owner, task_id=task_id, current=current
+    )
+    return StaleToken(key, token, current)
+
+
+class _Refused(Exception):
+    def __init__(self, current: int | None) -> None:
+        self.current = current
+
+
+@contextmanager
+def fenced_transaction(
+    key: str, token: int, *, using: str | None = None, lease: HeldLease | None = None
+) -> Iterator[None]:
+    """Open a transaction on the lease database that proves ``token`` current first.
+
+    The refusal is recorded after the transaction has rolled back, so the event stands
+    (unless an outer transaction of the caller's rolls back too).
+    """
+    alias = database_alias(using)
+    try:
+        with transaction.atomic(using=alias):
+            ok, current = dialects.for_alias(alias).prove_current(key, token)
+            if not ok:
+                raise _Refused(current)
+            marker = _guards.set((*_guards.get(), (alias, key, token)))
+            try:
+                yield
+            finally:
+                _guards.reset(marker)
+    except _Refused as refused:
+        current = refused.current
+        if lease is not None:
+            lease.mark_lost(f"write refused: current token is {current}")
+        raise reject_stale(
+            key,
+            token,
+            current if current != token else None,
+            using=alias,
+            task_id=lease.task_id if lease else "",
+            owner=lease.owner if lease else "",
+        ) from None
+
+
+def in_guard(key: str, token: int) -> bool:
+    """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
+    return any(k == key and t == token for _, k, t in _guards.get())

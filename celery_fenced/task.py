@@ -1,0 +1,1 @@
+"""FencedTask: placeholder replaced in the next commit."""

@@ -1,0 +1,123 @@
+"""Settings of the test/demo project.
+
+Databases come from the environment:
+
+- ``FENCED_DB=sqlite`` (default): SQLite file ``FENCED_SQLITE_PATH`` (default ``db.sqlite3``
+  beside this file).
+- ``FENCED_DB=postgres``: PostgreSQL from ``FENCED_PG_*`` (host, port, user, name).
+
+The tests use both at once: alias ``default`` is SQLite and alias ``postgres`` is
+PostgreSQL when ``FENCED_PG_PORT`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent
+
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "celery-fenced-testproject-not-secret")
+DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+ALLOWED_HOSTS = ["localhost", "127.0.0.1", "[::1]", "testserver"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_results",
+    "celery_fenced",
+    "testproject.demo",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "testproject.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+
+def _sqlite(path: str) -> dict[str, object]:
+    return {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": path,
+        "OPTIONS": {"timeout": 30},
+        "TEST": {"NAME": path.replace(".sqlite3", "") + "-test.sqlite3"},
+    }
+
+
+def _postgres(name: str) -> dict[str, object]:
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": name,
+        "USER": os.environ.get("FENCED_PG_USER", "postgres"),
+        "PASSWORD": os.environ.get("FENCED_PG_PASSWORD", ""),
+        "HOST": os.environ.get("FENCED_PG_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("FENCED_PG_PORT", "5432"),
+        "TEST": {"NAME": os.environ.get("FENCED_PG_TEST_NAME", "test_celery_fenced")},
+    }
+
+
+SQLITE_PATH = os.environ.get("FENCED_SQLITE_PATH", str(BASE_DIR / "db.sqlite3"))
+if os.environ.get("FENCED_DB", "sqlite") == "postgres":
+    DATABASES = {"default": _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))}
+else:
+    DATABASES = {"default": _sqlite(SQLITE_PATH)}
+    if os.environ.get("FENCED_PG_PORT"):
+        DATABASES["postgres"] = _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))
+
+if os.environ.get("FENCED_USE_TEST_DATABASES") == "1":
+    # Processes started by the tests (workers, racers) open the test databases.
+    for _db in DATABASES.values():
+        _db["NAME"] = _db["TEST"]["NAME"]  # type: ignore[index]
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+LANGUAGE_CODE = "en-us"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"celery_fenced": {"handlers": ["console"], "level": "INFO"}},
+}
+
+# Celery (namespace "CELERY"): a broker that needs no server by default.
+CELERY_BROKER_URL = os.environ.get("FENCED_BROKER_URL", "filesystem://")
+_BROKER_DIR = os.environ.get("FENCED_BROKER_DIR", str(BASE_DIR / ".broker"))
+if CELERY_BROKER_URL.startswith("filesystem"):
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": _BROKER_DIR,
+        "data_folder_out": _BROKER_DIR,
+        "processed_folder": _BROKER_DIR + "-processed",
+        "store_processed": False,
+    }
+CELERY_RESULT_BACKEND = "celery_fenced.backends:FencedDatabaseBackend"
+CELERY_RESULT_EXTENDED = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_FENCED_TASKS: dict[str, dict[str, object]] = {}

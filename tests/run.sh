@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine: creates .venv, installs the package with its
+# test and lint extras, starts throwaway PostgreSQL and Redis servers (installing them with
+# apt when missing and root), runs ruff, mypy and pytest, and stops the servers.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=${FENCED_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint,docs]'
+
+RUN_DIR=$(mktemp -d /tmp/celery-fenced-services.XXXXXX)
+trap '"$VENV/bin/python" -m tests.services stop "$RUN_DIR"' EXIT
+eval "$("$VENV/bin/python" -m tests.services start "$RUN_DIR")"
+export FENCED_RUN_DIR="$RUN_DIR"
+
+echo "== ruff"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+echo "== mypy --strict"
+"$VENV/bin/mypy"
+echo "== pytest (SQLite and PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, Redis $FENCED_REDIS_URL)"
+"$VENV/bin/python" -m pytest "$@"
