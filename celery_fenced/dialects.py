@@ -189,7 +189,7 @@ class Dialect:
         return renewed
 
     # -- release ---------------------------------------------------------------------
-    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
@@ -201,7 +201,7 @@ class Dialect:
             if row is None:
                 return False
             manager.filter(pk=row.pk).update(released_at=now)
-            self._event(row.pk, "released", token, task_id, owner, now, {})
+            self._event(row.pk, "released", token, task_id, owner, now, _state(state))
             return True
 
     def force_release(self, key: str, by: str) -> tuple[int, str] | None:
@@ -402,7 +402,7 @@ class PostgreSQL(SQLDialect):
         )
         return _holder(rows)
 
-    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
         rows = self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp()
@@ -410,10 +410,10 @@ class PostgreSQL(SQLDialect):
                     RETURNING id, token),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'released', token, %s, %s, statement_timestamp(), '{{}}'::jsonb
+                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
                     FROM r)
                 SELECT token FROM r""",
-            [key, token, owner, task_id, owner],
+            [key, token, owner, task_id, owner, json.dumps(_state(state))],
         )
         return bool(rows)
 
@@ -502,7 +502,7 @@ class SQLite(SQLDialect):
             [lease_id, kind, token, task_id, owner, json.dumps(detail)],
         )
 
-    def release(self, key: str, token: int, owner: str, task_id: str) -> bool:
+    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
                 f"""UPDATE {LEASE} SET released_at = {self.NOW}
@@ -511,7 +511,7 @@ class SQLite(SQLDialect):
                 [key, token, owner],
             )
             if rows:
-                self._insert_event(rows[0][0], "released", token, task_id, owner, {})
+                self._insert_event(rows[0][0], "released", token, task_id, owner, _state(state))
             return bool(rows)
 
     def force_release(self, key: str, by: str) -> tuple[int, str] | None:
@@ -542,6 +542,10 @@ class SQLite(SQLDialect):
             return True, token
         current = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
         return False, (current[0][0] if current else None)
+
+
+def _state(state: str) -> dict[str, Any]:
+    return {"state": state} if state else {}
 
 
 def _holder(rows: Sequence[Sequence[Any]]) -> Holder:

@@ -1,7 +1,144 @@
-"""Config-driven fencing: tasks named in ``fenced_tasks`` are fenced without code changes."""
+"""Config-driven fencing: tasks named in ``fenced_tasks`` are fenced without code changes.
+
+The receivers only *install* fencing (they give a selected task the class behaviour of
+:class:`~celery_fenced.task.FencedTask`); the fencing itself runs in the task's
+``__call__``, because Celery logs and swallows exceptions raised by signal receivers.
+"""
 
 from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from celery import signals
+
+logger = logging.getLogger(__name__)
+
+UNSUPPORTED_POOLS = ("gevent", "eventlet")
+_classes: dict[type, type] = {}
 
 
 def connect() -> None:
     """Connect the Celery signal receivers (called from ``AppConfig.ready``)."""
+    signals.worker_init.connect(on_worker_init, weak=False, dispatch_uid="celery_fenced.init")
+    signals.worker_process_init.connect(
+        on_worker_process_init, weak=False, dispatch_uid="celery_fenced.process_init"
+    )
+    signals.worker_process_shutdown.connect(
+        on_process_shutdown, weak=False, dispatch_uid="celery_fenced.process_shutdown"
+    )
+    signals.worker_shutdown.connect(
+        on_process_shutdown, weak=False, dispatch_uid="celery_fenced.shutdown"
+    )
+
+
+def fence_configured_tasks(app: Any) -> list[str]:
+    """Give every task selected by ``fenced_tasks`` the fenced behaviour; return their names.
+
+    Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
+    invalid settings.
+    """
+    from celery_fenced import conf
+    from celery_fenced.task import FencedExecution
+
+    settings = conf.load(app)
+    fenced = []
+    for name, task in list(app.tasks.items()):
+        options = settings.options_for(name)
+        if isinstance(task, FencedExecution):
+            if options is not None and task._fenced_config is not None:
+                task._fenced_config = options
+            continue
+        if options is None:
+            continue
+        task.__class__ = fenced_class(type(task))
+        task._fenced_config = options
+        task.acks_late = True
+        task.reject_on_worker_lost = True
+        task.fenced_options()  # validate now, at start, naming the task
+        fenced.append(name)
+    unmatched = [
+        p
+        for p in settings.tasks
+        if not any(settings.options_for(n) is not None and _matches(p, n) for n in app.tasks)
+    ]
+    for pattern in unmatched:
+        logger.warning("fenced_tasks: %r matches no registered task", pattern)
+    return fenced
+
+
+def _matches(pattern: str, name: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def fenced_class(cls: type) -> type:
+    """``cls`` with :class:`~celery_fenced.task.FencedExecution` mixed in (cached)."""
+    from celery_fenced.task import FencedExecution
+
+    if cls not in _classes:
+        _classes[cls] = type(
+            f"Fenced{cls.__name__}",
+            (FencedExecution, cls),
+            {
+                "__module__": cls.__module__,
+            },
+        )
+    return _classes[cls]
+
+
+def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    """At worker start: validate the settings and the pool; fence the configured tasks.
+
+    A misconfiguration stops the worker with a message naming the setting (SystemExit,
+    which Celery's signal dispatch does not swallow).
+    """
+    from celery_fenced.exceptions import FencedError
+
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    pool = getattr(sender, "pool_cls", None)
+    pool_name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    if any(p in str(pool_name) for p in UNSUPPORTED_POOLS):
+        _stop(
+            f"the {pool_name} pool is not supported: renewal needs a real thread in the "
+            "process that runs the task. Use the prefork, threads or solo pool."
+        )
+    try:
+        names = fence_configured_tasks(app)
+    except FencedError as exc:
+        _stop(str(exc))
+    if names:
+        logger.info("celery-fenced: fencing %s", ", ".join(sorted(names)))
+
+
+def on_worker_process_init(**kwargs: Any) -> None:
+    """In a pool child started fresh (spawn), fence the tasks and rebuild their tracers."""
+    from celery import current_app
+    from celery.app.trace import build_tracer
+
+    app = current_app
+    for name in fence_configured_tasks(app):
+        task = app.tasks[name]
+        task.__trace__ = build_tracer(name, task, app.loader, app.conf.get("hostname"), app=app)
+
+
+def on_process_shutdown(**kwargs: Any) -> None:
+    """On a warm shutdown, release what this process still holds."""
+    from celery_fenced.renewal import renewer
+
+    for lease in renewer().held():
+        renewer().unregister(lease)
+        try:
+            lease.release(state="SHUTDOWN")
+        except Exception:
+            logger.warning("could not release %r at shutdown", lease.key, exc_info=True)
+
+
+def _stop(message: str) -> None:
+    logger.critical("celery-fenced: %s", message)
+    print(f"celery-fenced: {message}", file=sys.stderr)
+    raise SystemExit(1)

@@ -142,11 +142,16 @@ class HeldLease:
             self.expires_at = expires_at
             self._confirmed_at = max(self._confirmed_at, sent)
 
-    def release(self) -> bool:
-        """End the grant. Returns False (and marks the lease lost) if it was already gone."""
+    def release(self, *, state: str = "") -> bool:
+        """End the grant. Returns False (and marks the lease lost) if it was already gone.
+
+        ``state`` (the task's final state, when known) is recorded on the event.
+        """
         if self.released:
             return True
-        ok = dialects.for_alias(self.alias).release(self.key, self.token, self.owner, self.task_id)
+        ok = dialects.for_alias(self.alias).release(
+            self.key, self.token, self.owner, self.task_id, state
+        )
         self.released = True
         if ok:
             signals.lease_released.send(

@@ -1,1 +1,225 @@
-"""FencedTask: placeholder replaced in the next commit."""
+"""FencedTask: a Celery task that runs only under an expiring lease with a fencing token."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import Task, states
+from celery.exceptions import Ignore, Reject
+
+from celery_fenced import conf, context, keys
+from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy
+
+logger = logging.getLogger(__name__)
+
+FINAL_STATES = (states.SUCCESS, states.FAILURE)
+
+
+class FencedExecution:
+    """The fencing of one task execution; mixed into task classes.
+
+    Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
+    ``lease_on_busy``, ``lease_renew_interval``); tasks fenced through the
+    ``fenced_tasks`` setting get them from there (``_fenced_config``).
+    """
+
+    lease_key: Any = None
+    lease_ttl: float | None = None
+    lease_on_busy: str | None = None
+    lease_renew_interval: float | None = None
+    _fenced_config: dict[str, Any] | None = None
+
+    name: str
+    request: Any
+    app: Any
+    run: Any
+
+    # -- options ---------------------------------------------------------------------
+    def fenced_options(self) -> conf.TaskOptions:
+        """This task's validated options, merged over the global ``fenced_*`` settings."""
+        settings = conf.load(self.app)
+        config = self._fenced_config
+        if config is not None:
+            return settings.task_options(
+                f"fenced_tasks option of task {self.name!r}",
+                ttl=config.get("ttl"),
+                on_busy=config.get("on_busy"),
+                renew_interval=config.get("renew_interval"),
+                key=config.get("key"),
+            )
+        return settings.task_options(
+            f"task {self.name!r}",
+            ttl=self.lease_ttl,
+            on_busy=self.lease_on_busy,
+            renew_interval=self.lease_renew_interval,
+            key=self.lease_key,
+        )
+
+    @property
+    def lease(self) -> Any:
+        """The held-lease handle of the execution running in this thread (or None)."""
+        return getattr(self.request, "_fenced_lease", None)
+
+    # -- execution -------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from celery_fenced import dialects, store
+        from celery_fenced.renewal import renewer
+
+        request = self.request
+        # A token or key in the message is never trusted: only acquisition sets them.
+        request.fencing_token = None
+        request.lease_key = None
+        request._fenced_lease = None
+        options = self.fenced_options()
+        key = keys.render_key(self.name, options.key, self.run, args, kwargs)
+        task_id = request.id or ""
+        alias = store.database_alias()
+        if task_id and _completed_before(alias, task_id):
+            dialects.for_alias(alias).record_event(
+                key, "duplicate", None, task_id, _owner(request), {"task": self.name}
+            )
+            logger.info(
+                "task %s[%s] already completed under its lease: not run again", self.name, task_id
+            )
+            raise Ignore()
+        try:
+            lease = store.acquire(
+                key,
+                ttl=options.ttl,
+                owner=_owner(request),
+                task_id=task_id,
+                task_name=self.name,
+                using=alias,
+                renew_interval=options.renew_interval,
+            )
+        except LeaseBusy as busy:
+            return self._on_busy(busy, options.on_busy)
+        request.fencing_token = lease.token
+        request.lease_key = key
+        request._fenced_lease = lease
+        renewer().register(lease)
+        marker = context._current.set(lease)
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except (Ignore, Reject):
+            self._fenced_release("IGNORED")
+            raise
+        except Exception:
+            raise
+        except BaseException:
+            self._fenced_release("")
+            raise
+        finally:
+            context._current.reset(marker)
+
+    def _on_busy(self, busy: LeaseBusy, policy: str) -> Any:
+        logger.info("task %s[%s]: %s (policy %s)", self.name, self.request.id, busy, policy)
+        if policy == "fail":
+            raise busy
+        if policy == "skip":
+            raise Ignore()
+        countdown = max(busy.remaining, 0.05)
+        retry = self.retry  # type: ignore[attr-defined]
+        raise retry(exc=busy, countdown=countdown, max_retries=None)
+
+    def _fenced_release(self, state: str) -> None:
+        from celery_fenced.renewal import renewer
+
+        lease = getattr(self.request, "_fenced_lease", None)
+        if lease is None:
+            return
+        renewer().unregister(lease)
+        if not lease.released:
+            try:
+                lease.release(state=state)
+            except Exception:
+                logger.warning(
+                    "could not release lease %r; it will expire", lease.key, exc_info=True
+                )
+
+    # -- outcomes: release after the result is stored ----------------------------------
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        self._fenced_release(status)
+        super().after_return(status, retval, task_id, args, kwargs, einfo)  # type: ignore[misc]
+
+    def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        self._fenced_release(states.RETRY)
+        super().on_retry(exc, task_id, args, kwargs, einfo)  # type: ignore[misc]
+
+
+class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
+    """A Celery task whose body runs under a lease; see the module docs for the options.
+
+    ``@shared_task(bind=True, base=FencedTask, lease_key="report:{report_id}", lease_ttl=30)``
+    """
+
+    abstract = True
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        validate_task_class(cls)
+
+
+def validate_task_class(cls: type) -> None:
+    """Check a task class's explicit lease options; errors name the task and option."""
+    name = getattr(cls, "name", None) or cls.__name__
+    where = f"task {name!r}"
+    ttl = cls.__dict__.get("lease_ttl")
+    if ttl is not None:
+        conf.validate_ttl(ttl, f"{where} option lease_ttl")
+    on_busy = cls.__dict__.get("lease_on_busy")
+    if on_busy is not None:
+        conf.validate_on_busy(on_busy, f"{where} option lease_on_busy")
+    interval = cls.__dict__.get("lease_renew_interval")
+    if interval is not None:
+        conf.validate_renew_interval(
+            interval,
+            conf.validate_ttl(getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"),
+            f"{where} option lease_renew_interval",
+        )
+    key = cls.__dict__.get("lease_key")
+    if key is not None:
+        if isinstance(key, str):
+            run = cls.__dict__.get("run")
+            func = getattr(run, "__func__", run)
+            if isinstance(run, staticmethod) or func is None:
+                keys.check_template(name, key, func)
+            else:
+                keys.check_template(name, key, _without_self(func))
+        elif not callable(key):
+            raise FencedConfigurationError(
+                f"{where} option lease_key must be a str.format template or a callable "
+                f"(args, kwargs) -> str, got {key!r}"
+            )
+
+
+def _without_self(func: Any) -> Any:
+    import functools
+    import inspect
+
+    params = list(inspect.signature(func).parameters.values())
+    if not params:
+        return func
+    return functools.partial(func, None)
+
+
+def _owner(request: Any) -> str:
+    host = getattr(request, "hostname", None) or "local"
+    return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]
+
+
+def _completed_before(alias: str, task_id: str) -> bool:
+    from celery_fenced.models import LeaseEvent
+
+    return (
+        LeaseEvent._default_manager.using(alias)
+        .filter(task_id=task_id, kind=LeaseEvent.Kind.RELEASED, detail__state__in=FINAL_STATES)
+        .exists()
+    )

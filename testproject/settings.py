@@ -12,6 +12,7 @@ PostgreSQL when ``FENCED_PG_PORT`` is set.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -116,8 +117,21 @@ if CELERY_BROKER_URL.startswith("filesystem"):
         "processed_folder": _BROKER_DIR + "-processed",
         "store_processed": False,
     }
+else:
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        # Redis redelivers an unacked message after the visibility timeout; the tests
+        # shorten it (and restore promptly) to show a real redelivery.
+        "visibility_timeout": float(os.environ.get("FENCED_VISIBILITY_TIMEOUT", "3600")),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 0,
+    }
 CELERY_RESULT_BACKEND = "celery_fenced.backends:FencedDatabaseBackend"
 CELERY_RESULT_EXTENDED = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_FENCED_TASKS: dict[str, dict[str, object]] = {}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_FENCED_TASKS: dict[str, dict[str, object]] = json.loads(
+    os.environ.get("FENCED_TASKS_JSON", "{}")
+)
+if os.environ.get("FENCED_DEFAULT_TTL"):
+    CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])

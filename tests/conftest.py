@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -35,3 +37,38 @@ def child_env() -> dict[str, str]:
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
         "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
+
+
+@pytest.fixture
+def start_worker(
+    alias: str, tmp_path: Any, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Any]]:
+    """Start real `celery worker` processes on ``alias``'s database; stopped afterwards."""
+    import redis
+
+    from .workers import Worker
+
+    redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushdb()
+    started: list[Worker] = []
+    queue = f"q-{request.node.name}"
+
+    def start(name: str, **kwargs: Any) -> Worker:
+        worker = Worker(name, database=alias, queue=queue, log_dir=tmp_path, **kwargs)
+        started.append(worker)
+        worker.wait_ready()
+        return worker
+
+    start.queue = queue  # type: ignore[attr-defined]
+    yield start
+    for worker in started:
+        worker.stop()
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        for worker in started:
+            print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -1,0 +1,154 @@
+"""FencedDatabaseBackend: django-celery-results' database backend with fenced result writes.
+
+``result_backend = "celery_fenced.backends:FencedDatabaseBackend"`` (alias ``fenced-db``).
+
+- A fenced execution's result is written in one transaction that first locks the lease
+  row and proves the execution's token current (R3); a final state (or RETRY) releases the
+  lease in that same transaction. The token and key are stored in the row's ``meta``.
+- A stale execution's outcome is never stored as the task's result (R2): when the newer
+  grant belongs to the same task id nothing is written; otherwise the task is stored as
+  FAILURE with :class:`~celery_fenced.StaleToken`.
+- An untokened write (a plain task id, or the worker's main process writing
+  ``WorkerLostError``) never overwrites a row written under a token that is final or whose
+  grant is still live (R1).
+- Tasks that are not fenced are stored exactly as by ``DatabaseBackend``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import states
+from django.db import transaction
+from django_celery_results.backends.database import DatabaseBackend
+
+from celery_fenced import dialects, store
+from celery_fenced.exceptions import StaleToken
+from celery_fenced.models import Lease
+from celery_fenced.store import HeldLease
+
+logger = logging.getLogger(__name__)
+
+RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
+
+
+class _Refused(Exception):
+    def __init__(self, current: int | None) -> None:
+        self.current = current
+
+
+class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
+    """A drop-in ``DatabaseBackend`` that refuses result writes under stale tokens."""
+
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        traceback: Any = None,
+        request: Any = None,
+        using: Any = None,
+    ) -> Any:
+        lease = getattr(request, "_fenced_lease", None) if request is not None else None
+        if not isinstance(lease, HeldLease):
+            if not self._untokened_may_write(task_id, status):
+                logger.warning(
+                    "untokened %s write for task %s refused: a fenced execution's result stands",
+                    status,
+                    task_id,
+                    extra={"task_id": task_id},
+                )
+                return result
+            return super()._store_result(task_id, result, status, traceback, request, using)
+        try:
+            with transaction.atomic(using=lease.alias):
+                ok, current = dialects.for_alias(lease.alias).prove_current(lease.key, lease.token)
+                if not ok:
+                    raise _Refused(current)
+                request.meta = {
+                    **(getattr(request, "meta", None) or {}),
+                    "fencing_token": lease.token,
+                    "lease_key": lease.key,
+                }
+                super()._store_result(task_id, result, status, traceback, request, using)
+                if status in RELEASING_STATES:
+                    dialects.for_alias(lease.alias).release(
+                        lease.key, lease.token, lease.owner, lease.task_id, status
+                    )
+            if status in RELEASING_STATES:
+                lease.released = True
+                from celery_fenced.renewal import renewer
+
+                renewer().unregister(lease)
+            return result
+        except _Refused as refused:
+            return self._refuse(task_id, result, status, request, lease, refused.current)
+
+    def _refuse(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        request: Any,
+        lease: HeldLease,
+        current: int | None,
+    ) -> Any:
+        current_task = (
+            Lease._default_manager.using(lease.alias)
+            .filter(key=lease.key)
+            .values_list("task_id", flat=True)
+            .first()
+        )
+        newer = current if current != lease.token else None
+        lease.mark_lost(f"{status} result refused: current token is {current}")
+        stale = store.reject_stale(
+            lease.key,
+            lease.token,
+            newer,
+            using=lease.alias,
+            task_id=task_id,
+            owner=lease.owner,
+            what=f"{status} result",
+        )
+        if current_task == task_id and newer is not None:
+            return result  # a redelivery: the newer execution owns this task's result
+        if status in states.READY_STATES:
+            failure = self.encode_result(stale, states.FAILURE)
+            request.meta = {
+                **(getattr(request, "meta", None) or {}),
+                "stale_fencing_token": lease.token,
+            }
+            super()._store_result(task_id, failure, states.FAILURE, None, request, None)
+        return result
+
+    def _untokened_may_write(self, task_id: str, status: str) -> bool:
+        row = (
+            self.TaskModel._default_manager.filter(task_id=task_id)
+            .values_list("status", "meta")
+            .first()
+        )
+        if row is None:
+            return True
+        existing_status, meta = row
+        try:
+            decoded = self.decode(meta) if meta else {}
+        except Exception:
+            return True
+        token = decoded.get("fencing_token") if isinstance(decoded, dict) else None
+        if token is None:
+            return True
+        if existing_status in states.READY_STATES:
+            return False
+        key = decoded.get("lease_key")
+        alias = store.database_alias()
+        if not isinstance(key, str):
+            return True
+        return (
+            not Lease._default_manager.using(alias)
+            .filter(key=key, token__gte=token, released_at__isnull=True)
+            .exists()
+        )
+
+
+__all__ = ["FencedDatabaseBackend", "StaleToken"]

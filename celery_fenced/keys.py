@@ -1,0 +1,111 @@
+"""Lease keys of task executions: a template, a callable, or the default hash."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery_fenced.exceptions import FencedConfigurationError, FencedError
+from celery_fenced.models import KEY_MAX_LENGTH
+
+
+def template_fields(template: str) -> set[str]:
+    """The argument names a ``str.format`` template refers to (``{a.b[0]}`` → ``a``)."""
+    names = set()
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is None:
+            continue
+        root = field.split(".", 1)[0].split("[", 1)[0]
+        if not root or root.isdigit():
+            raise FencedConfigurationError(
+                f"lease key template {template!r} must name arguments ({{report_id}}), "
+                "not use positional fields"
+            )
+        names.add(root)
+    return names
+
+
+def check_template(task_name: str, template: str, run: Callable[..., Any] | None) -> None:
+    """Fail at definition when the template names an argument the task does not take."""
+    fields = template_fields(template)
+    if run is None:
+        return
+    params = inspect.signature(run).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    missing = fields - set(params)
+    if missing:
+        raise FencedConfigurationError(
+            f"task {task_name!r}: lease_key {template!r} names {', '.join(sorted(missing))}, "
+            f"which is not an argument of the task (arguments: {', '.join(params) or 'none'})"
+        )
+
+
+def named_arguments(
+    run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    bound = inspect.signature(run).bind_partial(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    for name, param in inspect.signature(run).parameters.items():
+        if param.kind is param.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    return named
+
+
+def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """``task name:sha256 of the JSON arguments`` — stable across processes and hosts."""
+    try:
+        payload = json.dumps([list(args), dict(kwargs)], sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise FencedError(
+            f"task {task_name!r}: the default lease key hashes the arguments as JSON, and "
+            f"they are not JSON-serialisable ({exc}); give the task a lease_key"
+        ) from None
+    digest = hashlib.sha256(payload.encode()).hexdigest()[:32]
+    room = KEY_MAX_LENGTH - len(digest) - 1
+    return f"{task_name[:room]}:{digest}"
+
+
+def render_key(
+    task_name: str,
+    spec: Any,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """The lease key of one execution; errors name the task and what is wrong."""
+    if spec is None:
+        key = default_key(task_name, args, kwargs)
+    elif callable(spec):
+        try:
+            key = spec(tuple(args), dict(kwargs))
+        except Exception as exc:
+            raise FencedError(
+                f"task {task_name!r}: the lease_key callable raised {exc!r}"
+            ) from exc
+        if not isinstance(key, str):
+            raise FencedError(
+                f"task {task_name!r}: the lease_key callable must return a str, "
+                f"got {type(key).__name__}"
+            )
+    else:
+        try:
+            key = str(spec).format(**named_arguments(run, args, kwargs))
+        except (KeyError, IndexError, AttributeError, TypeError) as exc:
+            raise FencedError(
+                f"task {task_name!r}: lease_key {spec!r} could not be filled from the "
+                f"call's arguments ({exc!r})"
+            ) from None
+    if not key:
+        raise FencedError(f"task {task_name!r}: the lease key is empty")
+    if len(key) > KEY_MAX_LENGTH:
+        raise FencedError(
+            f"task {task_name!r}: the lease key is {len(key)} characters; at most "
+            f"{KEY_MAX_LENGTH} are allowed"
+        )
+    return key

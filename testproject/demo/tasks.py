@@ -1,0 +1,70 @@
+"""Demo tasks: one fenced by the base class, one plain task fenced through settings."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from celery import shared_task
+
+from celery_fenced import FencedTask, current_lease, fenced_update
+from testproject.demo.models import LedgerEntry, Report
+
+
+def _worker() -> str:
+    return os.environ.get("FENCED_WORKER_NAME", f"pid{os.getpid()}")
+
+
+@shared_task(bind=True, base=FencedTask, lease_key="report:{report_id}", lease_ttl=30)
+def rebuild_report(self: Any, report_id: int, seconds: float = 0.0) -> dict[str, Any]:
+    """Rebuild report ``report_id`` (taking ``seconds``) and write it fenced."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    token = self.request.fencing_token
+    worker = _worker()
+    fenced_update(
+        Report.objects.filter(pk=report_id),
+        token=token,
+        body=f"built by {worker} under token {token}",
+        built_by=worker,
+    )
+    return {"worker": worker, "token": token, "lost": self.lease.lost}
+
+
+@shared_task
+def apply_effect(job: str, effect: str, seconds: float = 0.0) -> dict[str, Any]:
+    """A plain task (no base class): fenced when CELERY_FENCED_TASKS names it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    lease = current_lease()
+    token = lease.token if lease is not None else 0
+    if lease is not None:
+        with lease.guard():
+            LedgerEntry.objects.create(job=job, effect=effect, token=token, worker=_worker())
+    else:
+        LedgerEntry.objects.create(job=job, effect=effect, token=token, worker=_worker())
+    return {"worker": _worker(), "token": token}
+
+
+@shared_task(bind=True, base=FencedTask, lease_ttl=30)
+def probe(self: Any, seconds: float = 0.0, marker: str = "") -> dict[str, Any]:
+    """Report what the execution sees: token, key, lost state (for the tests)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    lost = False
+    try:
+        self.lease.check()
+    except Exception:
+        lost = True
+    return {
+        "worker": _worker(),
+        "token": self.request.fencing_token,
+        "key": self.request.lease_key,
+        "current_token": current_lease().token if current_lease() else None,
+        "lost": lost,
+        "marker": marker,
+    }

@@ -1,0 +1,188 @@
+"""FencedTask and config-enabled tasks with real `celery worker` processes on Redis."""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any
+
+import pytest
+from django_celery_results.models import TaskResult
+
+from celery_fenced.models import Lease, LeaseEvent
+
+from .conftest import DATABASE_ALIASES
+from .workers import send, wait_for
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.workers,
+    pytest.mark.timeout(180),
+]
+
+PROBE = "testproject.demo.tasks.probe"
+EFFECT = "testproject.demo.tasks.apply_effect"
+
+
+def result_of(alias: str, task_id: str, timeout: float = 60) -> Any:
+    row = wait_for(
+        lambda: (
+            TaskResult.objects.using(alias)
+            .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
+            .first()
+        ),
+        timeout,
+        f"task {task_id} to finish",
+    )
+    return row.status, json.loads(row.result)
+
+
+def test_fenced_task__runs_with_token_and_key_and_releases(alias: str, start_worker: Any) -> None:
+    start_worker("a")
+    task_id = send(PROBE, queue=start_worker.queue, kwargs={"marker": "m"})
+    status, value = result_of(alias, task_id)
+    assert status == "SUCCESS"
+    assert value["token"] == 1
+    assert value["current_token"] == 1
+    assert value["key"].startswith(PROBE + ":")
+    assert value["lost"] is False
+    lease = Lease.objects.using(alias).get(key=value["key"])
+    assert lease.released_at is not None
+    kinds = list(
+        LeaseEvent.objects.using(alias).filter(lease=lease).order_by("id").values_list("kind")
+    )
+    assert kinds == [("acquired",), ("released",)]
+
+
+def test_fenced_task__forged_token_header_is_ignored(alias: str, start_worker: Any) -> None:
+    start_worker("a")
+    task_id = send(
+        PROBE,
+        queue=start_worker.queue,
+        kwargs={"marker": "forged"},
+        headers={"fencing_token": 999, "lease_key": "forged"},
+    )
+    status, value = result_of(alias, task_id)
+    assert status == "SUCCESS"
+    assert value["token"] == 1
+    assert value["key"] != "forged"
+    assert not Lease.objects.using(alias).filter(key="forged").exists()
+
+
+@pytest.mark.parametrize("mode", ["base_class", "config"])
+def test_pause_past_ttl__holder_learns_lost_and_next_grant_is_token_plus_one(
+    alias: str, start_worker: Any, mode: str
+) -> None:
+    ttl = 2
+    env = {"FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": ttl, "key": "job:{job}"}})}
+    worker = start_worker("a", env=env)
+    if mode == "base_class":
+        task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 4})
+        key_filter: dict[str, Any] = {"key__startswith": PROBE}
+    else:
+        task_id = send(EFFECT, queue=start_worker.queue, args=("j1", "e1", 4))
+        key_filter = {"key": "job:j1"}
+    wait_for(lambda: Lease.objects.using(alias).filter(**key_filter).exists(), 30, "the grant")
+    worker.pause()
+    lease = Lease.objects.using(alias).get(**key_filter)
+    # the grant expires by the database's clock while the worker is stopped
+    from celery_fenced import acquire
+
+    if mode == "base_class":
+        Lease.objects.using(alias).filter(pk=lease.pk).update(
+            expires_at=lease.acquired_at
+        )  # probe's ttl is 30s: expire it rather than wait
+    taker = wait_for(
+        lambda: _try_acquire(acquire, lease.key, alias), ttl * 5, "the grant to expire"
+    )
+    assert taker.token == lease.token + 1
+    worker.resume()
+    if mode == "base_class":
+        status, value = result_of(alias, task_id)
+        # the body saw the loss; its result write was refused and stored as StaleToken
+        assert status == "FAILURE"
+        assert value["exc_type"] == "StaleToken"
+    else:
+        wait_for(
+            lambda: (
+                LeaseEvent.objects.using(alias)
+                .filter(lease__key="job:j1", kind="stale_write_rejected")
+                .exists()
+            ),
+            30,
+            "the stale write to be rejected",
+        )
+        from testproject.demo.models import LedgerEntry
+
+        assert not LedgerEntry.objects.using(alias).filter(job="j1").exists()
+    assert (
+        LeaseEvent.objects.using(alias)
+        .filter(lease__key=lease.key, kind="lost", token=lease.token)
+        .exists()
+    )
+    assert taker.release()
+
+
+def _try_acquire(acquire: Any, key: str, alias: str) -> Any:
+    from celery_fenced import LeaseBusy
+
+    try:
+        return acquire(key, ttl=30, owner="test-taker", using=alias)
+    except LeaseBusy:
+        return None
+
+
+@pytest.mark.parametrize("policy", ["retry", "skip", "fail"])
+def test_busy_policy__second_delivery_of_a_held_key(
+    alias: str, start_worker: Any, policy: str
+) -> None:
+    env = {
+        "FENCED_TASKS_JSON": json.dumps(
+            {EFFECT: {"ttl": 30, "key": "job:{job}", "on_busy": policy}}
+        )
+    }
+    start_worker("a", concurrency=2, pool="threads", env=env)
+    first = send(EFFECT, queue=start_worker.queue, args=("j", "first", 2))
+    wait_for(lambda: Lease.objects.using(alias).filter(key="job:j").exists(), 30, "grant")
+    second = send(EFFECT, queue=start_worker.queue, args=("j", "second", 0))
+    assert result_of(alias, first)[0] == "SUCCESS"
+    events = LeaseEvent.objects.using(alias).filter(lease__key="job:j")
+    wait_for(lambda: events.filter(kind="busy").exists(), 30, "the busy event")
+    if policy == "retry":
+        status, _ = result_of(alias, second)
+        assert status == "SUCCESS"
+        assert Lease.objects.using(alias).get(key="job:j").token == 2
+    elif policy == "fail":
+        status, value = result_of(alias, second)
+        assert (status, value["exc_type"]) == ("FAILURE", "LeaseBusy")
+    else:
+        assert (
+            not TaskResult.objects.using(alias).filter(task_id=second, status="SUCCESS").exists()
+        )
+        assert Lease.objects.using(alias).get(key="job:j").token == 1
+
+
+def test_warm_shutdown__finishes_and_releases(alias: str, start_worker: Any) -> None:
+    worker = start_worker("a")
+    task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 2})
+    wait_for(lambda: Lease.objects.using(alias).exists(), 30, "the grant")
+    assert worker.warm_shutdown() == 0
+    status, _ = result_of(alias, task_id, timeout=5)
+    assert status == "SUCCESS"
+    assert Lease.objects.using(alias).get().released_at is not None
+
+
+def test_sigkill__lease_expires_and_next_grant_is_token_plus_one(
+    alias: str, start_worker: Any
+) -> None:
+    env = {"FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": 2, "key": "job:{job}"}})}
+    worker = start_worker("a", env=env)
+    send(EFFECT, queue=start_worker.queue, args=("k", "e", 30))
+    wait_for(lambda: Lease.objects.using(alias).filter(key="job:k").exists(), 30, "grant")
+    worker.signal_group(signal.SIGKILL)
+    worker.process.wait(timeout=30)
+    from celery_fenced import acquire
+
+    taker = wait_for(lambda: _try_acquire(acquire, "job:k", alias), 20, "expiry")
+    assert taker.token == 2
+    assert Lease.objects.using(alias).get(key="job:k").reclaimed_from.startswith("a-")
