@@ -186,3 +186,26 @@ def test_sigkill__lease_expires_and_next_grant_is_token_plus_one(
     taker = wait_for(lambda: _try_acquire(acquire, "job:k", alias), 20, "expiry")
     assert taker.token == 2
     assert Lease.objects.using(alias).get(key="job:k").reclaimed_from.startswith("a-")
+
+
+def test_completed_duplicate__redelivered_message_does_not_run_again(
+    alias: str, start_worker: Any
+) -> None:
+    """A's pool child completes the job while A's main process is stopped and cannot ack:
+    Redis redelivers the message to B, which must not run the body a second time."""
+    redelivery = {"FENCED_VISIBILITY_TIMEOUT": "3"}
+    worker_a = start_worker("a", env=redelivery)
+    task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 1.5})
+    wait_for(lambda: Lease.objects.using(alias).exists(), 30, "the grant")
+    import os
+
+    os.kill(worker_a.process.pid, signal.SIGSTOP)  # the main process only: no ack
+    status, value = result_of(alias, task_id)
+    assert status == "SUCCESS"
+    start_worker("b", env=redelivery)
+    events = LeaseEvent.objects.using(alias).filter(task_id=task_id)
+    wait_for(lambda: events.filter(kind="duplicate").exists(), 60, "the duplicate event")
+    os.kill(worker_a.process.pid, signal.SIGCONT)
+    assert events.filter(kind="acquired").count() == 1
+    assert Lease.objects.using(alias).get(key=value["key"]).token == 1
+    assert TaskResult.objects.using(alias).get(task_id=task_id).status == "SUCCESS"
