@@ -23,5 +23,7 @@ echo "== ruff"
 "$VENV/bin/ruff" format --check .
 echo "== mypy --strict"
 "$VENV/bin/mypy"
+echo "== docs (Sphinx, warnings as errors)"
+"$VENV/bin/python" -m sphinx -W -q -b html docs "$RUN_DIR/docs-html"
 echo "== pytest (SQLite and PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, Redis $FENCED_REDIS_URL)"
 "$VENV/bin/python" -m pytest "$@"
