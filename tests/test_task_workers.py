@@ -209,3 +209,33 @@ def test_completed_duplicate__redelivered_message_does_not_run_again(
     assert events.filter(kind="acquired").count() == 1
     assert Lease.objects.using(alias).get(key=value["key"]).token == 1
     assert TaskResult.objects.using(alias).get(task_id=task_id).status == "SUCCESS"
+
+
+@pytest.mark.parametrize(
+    ("tasks_json", "message"),
+    [
+        ({EFFECT: {"ttl": 0}}, "ttl must be a number of seconds greater than 0"),
+        ({EFFECT: {"on_busy": "sometimes"}}, "on_busy must be one of"),
+        ({EFFECT: {"ttl": 3, "renew_interval": 5}}, "must be shorter than the lease ttl"),
+        ({EFFECT: {"colour": "red"}}, "unknown option(s) 'colour'"),
+    ],
+)
+def test_worker_start__invalid_settings_stop_the_worker_naming_them(
+    alias: str, tmp_path: Any, tasks_json: dict[str, Any], message: str
+) -> None:
+    from .workers import Worker
+
+    worker = Worker(
+        "bad",
+        database=alias,
+        queue="q-bad",
+        log_dir=tmp_path,
+        env={"FENCED_TASKS_JSON": json.dumps(tasks_json)},
+    )
+    try:
+        code = worker.process.wait(timeout=60)
+        assert code != 0
+        assert message in worker.output()
+        assert "fenced_tasks" in worker.output()
+    finally:
+        worker.stop()
