@@ -8,7 +8,7 @@ from django.db import models, transaction
 from django.db.models import Q, QuerySet
 
 from celery_fenced import store
-from celery_fenced.context import _guards, current_lease
+from celery_fenced.context import current_lease
 
 M = TypeVar("M", bound=models.Model)
 
@@ -72,10 +72,16 @@ def fenced_update(
             return updated
 
     lease = current_lease()
-    proven = any(t == token for _, _, t in _guards.get())
+    proven = lease is not None and store.in_guard(lease.key, token)
     try:
         if lease is not None and lease.token == token and not proven:
-            with lease.guard():
+            with store.fenced_transaction(
+                lease.key,
+                token,
+                using=lease.alias,
+                lease=lease,
+                what=f"update of {model._meta.label}",
+            ):
                 return run()
         return run()
     except _Newer as newer:

@@ -39,7 +39,7 @@ def fence_configured_tasks(app: Any) -> list[str]:
     Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
     invalid settings.
     """
-    from celery_fenced import conf
+    from celery_fenced import conf, keys
     from celery_fenced.task import FencedExecution
 
     settings = conf.load(app)
@@ -56,7 +56,9 @@ def fence_configured_tasks(app: Any) -> list[str]:
         task._fenced_config = options
         task.acks_late = True
         task.reject_on_worker_lost = True
-        task.fenced_options()  # validate now, at start, naming the task
+        checked = task.fenced_options()  # validate now, at start, naming the task
+        if isinstance(checked.key, str):
+            keys.check_template(name, checked.key, task.run)
         fenced.append(name)
     unmatched = [
         p

@@ -60,7 +60,9 @@ def named_arguments(
 def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     """``task name:sha256 of the JSON arguments`` — stable across processes and hosts."""
     try:
-        payload = json.dumps([list(args), dict(kwargs)], sort_keys=True, separators=(",", ":"))
+        payload = json.dumps(
+            [task_name, list(args), dict(kwargs)], sort_keys=True, separators=(",", ":")
+        )
     except (TypeError, ValueError) as exc:
         raise FencedError(
             f"task {task_name!r}: the default lease key hashes the arguments as JSON, and "
@@ -80,7 +82,12 @@ def render_key(
 ) -> str:
     """The lease key of one execution; errors name the task and what is wrong."""
     if spec is None:
-        key = default_key(task_name, args, kwargs)
+        try:  # f(42) and f(report_id=42) are the same job
+            named = named_arguments(run, args, kwargs)
+        except TypeError:
+            key = default_key(task_name, args, kwargs)
+        else:
+            key = default_key(task_name, (), named)
     elif callable(spec):
         try:
             key = spec(tuple(args), dict(kwargs))

@@ -359,7 +359,12 @@ class _Refused(Exception):
 
 @contextmanager
 def fenced_transaction(
-    key: str, token: int, *, using: str | None = None, lease: HeldLease | None = None
+    key: str,
+    token: int,
+    *,
+    using: str | None = None,
+    lease: HeldLease | None = None,
+    what: str = "write",
 ) -> Iterator[None]:
     """Open a transaction on the lease database that proves ``token`` current first.
 
@@ -388,6 +393,7 @@ def fenced_transaction(
             using=alias,
             task_id=lease.task_id if lease else "",
             owner=lease.owner if lease else "",
+            what=what,
         ) from None
 
 

@@ -111,10 +111,13 @@ LOGGING = {
 CELERY_BROKER_URL = os.environ.get("FENCED_BROKER_URL", "filesystem://")
 _BROKER_DIR = os.environ.get("FENCED_BROKER_DIR", str(BASE_DIR / ".broker"))
 if CELERY_BROKER_URL.startswith("filesystem"):
+    # kombu's filesystem transport does not create its folders
+    os.makedirs(_BROKER_DIR, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": _BROKER_DIR,
         "data_folder_out": _BROKER_DIR,
         "processed_folder": _BROKER_DIR + "-processed",
+        "control_folder": _BROKER_DIR + "-control",
         "store_processed": False,
     }
 else:

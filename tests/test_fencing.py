@@ -1,0 +1,168 @@
+"""fenced_update on SQLite and PostgreSQL: the row's token, and the lease's when one is held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db.models import F
+
+from celery_fenced import StaleToken, acquire, context, fenced_update
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store import HeldLease
+from testproject.demo.models import Report
+
+from .conftest import DATABASE_ALIASES
+
+db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+def reports(alias: str, *tokens: int) -> Any:
+    """Rows with these tokens; returns the queryset of all of them."""
+    for i, token in enumerate(tokens):
+        Report.objects.using(alias).create(name=f"r{i}", body="old", fencing_token=token)
+    return Report.objects.using(alias).all()
+
+
+def rows(alias: str) -> list[tuple[str, str, int]]:
+    return list(
+        Report.objects.using(alias).order_by("name").values_list("name", "body", "fencing_token")
+    )
+
+
+def taken_over(alias: str, key: str = "report:1") -> HeldLease:
+    """A holder (token 1) whose grant expired and was reclaimed by another owner (token 2)."""
+    stale = acquire(key, ttl=30, owner="paused", using=alias)
+    Lease.objects.using(alias).filter(key=key).update(expires_at=F("acquired_at"))
+    assert acquire(key, ttl=30, owner="fresh", using=alias).token == 2
+    return stale
+
+
+@pytest.fixture
+def running_under() -> Iterator[Any]:
+    """Make a lease the current one, as inside a fenced task; reset afterwards."""
+    markers = []
+
+    def run(lease: HeldLease) -> None:
+        markers.append(context._current.set(lease))
+
+    yield run
+    for marker in reversed(markers):
+        context._current.reset(marker)
+
+
+@db
+@pytest.mark.parametrize("row_token", [0, 2, 3])
+def test_fenced_update__older_or_equal_row_is_updated_and_stamped(
+    alias: str, row_token: int
+) -> None:
+    assert fenced_update(reports(alias, row_token), token=3, body="new") == 1
+    assert rows(alias) == [("r0", "new", 3)]
+
+
+@db
+def test_fenced_update__newer_row_refuses_and_nothing_changes(alias: str) -> None:
+    queryset = reports(alias, 1, 5, 2)
+    with pytest.raises(StaleToken) as stale:
+        fenced_update(queryset, token=3, body="new")
+    assert (stale.value.token, stale.value.current) == (3, 5)
+    assert "current token is 5" in str(stale.value)
+    assert rows(alias) == [("r0", "old", 1), ("r1", "old", 5), ("r2", "old", 2)]
+
+
+@db
+def test_fenced_update__filtered_queryset_ignores_other_rows(alias: str) -> None:
+    reports(alias, 1, 9)
+    assert fenced_update(Report.objects.using(alias).filter(name="r0"), token=2, body="new") == 1
+    assert rows(alias) == [("r0", "new", 2), ("r1", "old", 9)]
+
+
+@pytest.mark.parametrize("token", [0, -1, True, "3", 3.0, None])
+def test_fenced_update__bad_token(token: Any) -> None:
+    # refused before any query: this test has no database access
+    with pytest.raises(ValueError, match=r"token must be a fencing token \(an int >= 1\)"):
+        fenced_update(Report.objects.all(), token=token, body="new")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"field": "nope"}, "field 'nope' is not a field of demo.Report"),
+        ({"fencing_token": 9}, "'fencing_token' is stamped by fenced_update"),
+    ],
+)
+def test_fenced_update__bad_field(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fenced_update(Report.objects.all(), token=3, body="new", **kwargs)
+
+
+@db
+def test_fenced_update__inside_a_current_guard(alias: str) -> None:
+    lease = acquire("report:1", ttl=30, using=alias)
+    with lease.guard():
+        assert fenced_update(reports(alias, 0), token=lease.token, body="new") == 1
+    assert rows(alias) == [("r0", "new", 1)]
+
+
+@db
+def test_fenced_update__stale_guard_refuses_before_the_write(alias: str) -> None:
+    queryset = reports(alias, 0)
+    stale = taken_over(alias)
+    with pytest.raises(StaleToken) as refused, stale.guard():
+        fenced_update(queryset, token=stale.token, body="stale")
+    assert (refused.value.token, refused.value.current) == (1, 2)
+    assert rows(alias) == [("r0", "old", 0)]
+
+
+@db
+def test_fenced_update__current_lease_holder_writes(alias: str, running_under: Any) -> None:
+    lease = acquire("report:1", ttl=30, using=alias)
+    running_under(lease)
+    assert fenced_update(reports(alias, 0), token=lease.token, body="new") == 1
+    assert rows(alias) == [("r0", "new", 1)]
+
+
+@db
+def test_fenced_update__taken_over_lease_is_refused_though_the_row_is_older(
+    alias: str, running_under: Any
+) -> None:
+    queryset = reports(alias, 0)  # the row has not seen token 2 yet: it alone would accept 1
+    stale = taken_over(alias)
+    running_under(stale)
+    with pytest.raises(StaleToken) as refused:
+        fenced_update(queryset, token=stale.token, body="stale")
+    assert (refused.value.key, refused.value.token, refused.value.current) == ("report:1", 1, 2)
+    assert rows(alias) == [("r0", "old", 0)]
+    assert stale.lost
+    event = LeaseEvent.objects.using(alias).get(kind="stale_write_rejected")
+    assert (event.lease.key, event.token, event.owner) == ("report:1", 1, "paused")
+    assert event.detail["current_token"] == 2
+
+
+@db
+def test_fenced_update__current_lease_and_newer_row_records_the_refusal(
+    alias: str, running_under: Any
+) -> None:
+    lease = acquire("report:1", ttl=30, using=alias)
+    running_under(lease)
+    with pytest.raises(StaleToken) as refused:
+        fenced_update(reports(alias, 7), token=lease.token, body="new")
+    assert (refused.value.key, refused.value.current) == ("report:1", 7)
+    assert rows(alias) == [("r0", "old", 7)]
+    event = LeaseEvent.objects.using(alias).get(kind="stale_write_rejected")
+    assert (event.lease.key, event.token, event.detail["current_token"]) == ("report:1", 1, 7)
+
+
+@db
+def test_fenced_update__guard_of_another_key_does_not_prove_the_current_lease(
+    alias: str, running_under: Any
+) -> None:
+    queryset = reports(alias, 0)
+    stale = taken_over(alias, "report:1")
+    other = acquire("other:1", ttl=30, using=alias)
+    assert other.token == stale.token == 1
+    running_under(stale)
+    with pytest.raises(StaleToken), other.guard():
+        fenced_update(queryset, token=stale.token, body="stale")
+    assert rows(alias) == [("r0", "old", 0)]

@@ -1,0 +1,96 @@
+"""Config-driven fencing: fence_configured_tasks on a fresh Celery app, no worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.hooks import fence_configured_tasks
+from celery_fenced.task import FencedExecution, FencedTask
+
+
+def fresh_app(**conf: Any) -> Celery:
+    """A non-current app with plain tasks ``mod.add`` and ``other.sub`` and a FencedTask."""
+    app = Celery("fresh", set_as_current=False)
+    app.conf.update(conf)
+
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    def sub(x: int, y: int) -> int:
+        return x - y
+
+    def build(report_id: int) -> None:
+        pass
+
+    app.task(name="mod.add", shared=False)(add)
+    app.task(name="other.sub", shared=False)(sub)
+    app.task(name="mod.build", base=FencedTask, lease_ttl=30, shared=False)(build)
+    return app
+
+
+def test_fence_configured_tasks__fences_the_matched_plain_task() -> None:
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5, "on_busy": "skip"}})
+    assert fence_configured_tasks(app) == ["mod.add"]
+    task = app.tasks["mod.add"]
+    assert isinstance(task, FencedExecution)
+    assert (task.acks_late, task.reject_on_worker_lost) == (True, True)
+    options = task.fenced_options()
+    assert (options.ttl, options.on_busy, options.key) == (5.0, "skip", None)
+
+
+def test_fence_configured_tasks__leaves_unmatched_and_base_class_tasks_alone() -> None:
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
+    plain_class = type(app.tasks["other.sub"])
+    fence_configured_tasks(app)
+    assert type(app.tasks["other.sub"]) is plain_class
+    assert not isinstance(app.tasks["other.sub"], FencedExecution)
+    built = app.tasks["mod.build"]
+    assert built._fenced_config is None
+    assert built.fenced_options().ttl == 30.0
+
+
+def test_fence_configured_tasks__idempotent() -> None:
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
+    fence_configured_tasks(app)
+    task = app.tasks["mod.add"]
+    fenced_type = type(task)
+    assert fence_configured_tasks(app) == []
+    assert type(task) is fenced_type
+    assert type(task).__mro__.count(FencedExecution) == 1
+    assert task._fenced_config == {"ttl": 5}
+
+
+def test_fence_configured_tasks__nothing_configured() -> None:
+    app = fresh_app()
+    assert fence_configured_tasks(app) == []
+    assert not isinstance(app.tasks["mod.add"], FencedExecution)
+
+
+@pytest.mark.parametrize(
+    ("tasks", "fragments"),
+    [
+        ({"mod.*": {"ttl": 0}}, ["fenced_tasks['mod.*'] ttl", "greater than 0"]),
+        ({"mod.*": {"on_busy": "x"}}, ["fenced_tasks['mod.*'] on_busy", "'retry'"]),
+        ({"mod.*": {"tll": 5}}, ["fenced_tasks['mod.*']", "unknown option(s) 'tll'"]),
+        ({"mod.*": 5}, ["fenced_tasks['mod.*']", "must be a dict of options"]),
+    ],
+)
+def test_fence_configured_tasks__invalid_options(
+    tasks: dict[str, Any], fragments: list[str]
+) -> None:
+    app = fresh_app(fenced_tasks=tasks)
+    with pytest.raises(FencedConfigurationError) as error:
+        fence_configured_tasks(app)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+    assert not isinstance(app.tasks["mod.add"], FencedExecution)
+
+
+def test_fence_configured_tasks__key_naming_a_missing_argument() -> None:
+    app = fresh_app(fenced_tasks={"mod.add": {"key": "add:{missing}"}})
+    with pytest.raises(FencedConfigurationError, match=r"'mod\.add'.*names missing"):
+        fence_configured_tasks(app)

@@ -1,0 +1,217 @@
+"""Lease keys: the default hash, templates over named arguments, callables, checks."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_fenced.exceptions import FencedConfigurationError, FencedError
+from celery_fenced.keys import check_template, default_key, render_key
+from celery_fenced.models import KEY_MAX_LENGTH
+from celery_fenced.task import FencedTask
+
+
+def rebuild(report_id: int, part: str = "all", **extra: Any) -> None:
+    """The task body whose arguments the keys below name."""
+
+
+def render(spec: Any, args: Sequence[Any] = (), kwargs: Any = None) -> str:
+    return render_key("mod.rebuild", spec, rebuild, args, kwargs or {})
+
+
+# -- the default key ----------------------------------------------------------------------
+def test_default_key__task_name_and_a_hash() -> None:
+    assert re.fullmatch(r"mod\.rebuild:[0-9a-f]{32}", default_key("mod.rebuild", (1,), {}))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (((1, "a"), {"x": 1}), ((1, "a"), {"x": 1})),
+        (((), {"a": 1, "b": {"c": 2, "d": 3}}), ((), {"b": {"d": 3, "c": 2}, "a": 1})),
+        (((1, 2), {}), ([1, 2], {})),
+    ],
+    ids=["same-call", "kwargs-order", "tuple-or-list"],
+)
+def test_default_key__stable(first: Any, second: Any) -> None:
+    assert default_key("mod.t", *first) == default_key("mod.t", *second)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (("mod.t", (1,), {}), ("mod.t", (2,), {})),
+        (("mod.t", (1,), {}), ("mod.t", ("1",), {})),
+        (("mod.t", (), {"a": 1}), ("mod.t", (), {"b": 1})),
+        (("mod.t", (1, 2), {}), ("mod.t", (2, 1), {})),
+        (("mod.t", (1,), {}), ("mod.u", (1,), {})),
+    ],
+    ids=["value", "type", "kwarg-name", "arg-order", "task"],
+)
+def test_default_key__differs_for_different_calls(first: Any, second: Any) -> None:
+    assert default_key(*first) != default_key(*second)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda name: default_key(name, (1,), {}),
+        lambda name: render_key(name, None, rebuild, (1,), {}),
+    ],
+    ids=["default_key", "render_key"],
+)
+def test_default_key__fits_for_a_very_long_task_name(make: Any) -> None:
+    key = make("mod." + "x" * 400)
+    assert len(key) <= KEY_MAX_LENGTH
+    assert key.startswith("mod.xxx")
+
+
+def test_default_key__differs_for_long_task_names_with_a_common_prefix() -> None:
+    prefix = "mod." + "x" * 300
+    assert default_key(prefix + ".a", (1,), {}) != default_key(prefix + ".b", (1,), {})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"), [((), {"report_id": 42}), ((42, "all"), {}), ((42,), {"part": "all"})]
+)
+def test_default_key__same_for_the_same_named_arguments(args: Any, kwargs: Any) -> None:
+    assert render(None, args, kwargs) == render(None, (42,))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"), [((object(),), {}), ((), {"report": object()}), ((b"bytes",), {})]
+)
+def test_default_key__unserialisable_arguments_name_the_task_and_lease_key(
+    args: Any, kwargs: Any
+) -> None:
+    with pytest.raises(FencedError) as error:
+        render(None, args, kwargs)
+    assert "'mod.rebuild'" in str(error.value)
+    assert "JSON-serialisable" in str(error.value)
+    assert "give the task a lease_key" in str(error.value)
+
+
+# -- templates ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "kwargs", "expected"),
+    [
+        ((42,), {}, "report:42:all"),
+        ((), {"report_id": 42}, "report:42:all"),
+        ((42, "head"), {}, "report:42:head"),
+        ((42,), {"part": "head"}, "report:42:head"),
+    ],
+)
+def test_render_key__template_over_named_arguments(args: Any, kwargs: Any, expected: str) -> None:
+    assert render("report:{report_id}:{part}", args, kwargs) == expected
+
+
+def test_render_key__template_over_extra_keyword_arguments() -> None:
+    assert render("report:{report_id}:{region}", (42,), {"region": "eu"}) == "report:42:eu"
+
+
+@pytest.mark.parametrize(
+    ("spec", "args", "kwargs", "fragment"),
+    [
+        ("report:{missing}", (42,), {}, "KeyError('missing')"),
+        ("report:{report_id}", (), {}, "KeyError('report_id')"),
+        ("report:{report_id}", (1, 2, 3), {}, "TypeError"),
+        ("report:{report_id.nope}", (42,), {}, "AttributeError"),
+    ],
+    ids=["unknown-name", "argument-not-given", "too-many-arguments", "bad-attribute"],
+)
+def test_render_key__template_that_cannot_be_filled_names_the_task(
+    spec: str, args: Any, kwargs: Any, fragment: str
+) -> None:
+    with pytest.raises(FencedError) as error:
+        render(spec, args, kwargs)
+    assert f"task 'mod.rebuild': lease_key {spec!r} could not be filled" in str(error.value)
+    assert fragment in str(error.value)
+
+
+# -- callables ------------------------------------------------------------------------------
+def test_render_key__callable_gets_args_and_kwargs() -> None:
+    def key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return f"report:{args[0]}:{kwargs['part']}"
+
+    assert render(key, [42], {"part": "head"}) == "report:42:head"
+
+
+def boom(args: Any, kwargs: Any) -> str:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        (boom, "the lease_key callable raised RuntimeError('boom')"),
+        (lambda args, kwargs: 42, "the lease_key callable must return a str, got int"),
+        (lambda args, kwargs: None, "must return a str, got NoneType"),
+        (lambda args, kwargs: "", "the lease key is empty"),
+        (lambda args, kwargs: "k" * 256, "the lease key is 256 characters; at most 255"),
+        ("{report_id}" + "k" * 300, "the lease key is 302 characters; at most 255"),
+    ],
+    ids=["raises", "int", "none", "empty", "too-long", "template-too-long"],
+)
+def test_render_key__bad_key_gives_a_clear_error(spec: Any, fragment: str) -> None:
+    with pytest.raises(FencedError) as error:
+        render(spec, (42,))
+    assert str(error.value).startswith("task 'mod.rebuild': ")
+    assert fragment in str(error.value)
+
+
+# -- checks at definition -------------------------------------------------------------------
+def test_check_template__positional_fields_are_refused() -> None:
+    with pytest.raises(FencedConfigurationError, match="must name arguments"):
+        check_template("mod.rebuild", "report:{0}", rebuild)
+
+
+def define(**options: Any) -> Any:
+    """Define (and so validate) a FencedTask on a fresh app."""
+    app = Celery("fresh", set_as_current=False)
+
+    def build(report_id: int, part: str = "all") -> None:
+        pass
+
+    def build_bound(self: Any, report_id: int) -> None:
+        pass
+
+    body = build_bound if options.get("bind") else build
+    app.task(name="mod.build", base=FencedTask, shared=False, **options)(body)
+    return app.tasks["mod.build"]
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"lease_key": "x:{missing}"}, ["'mod.build'", "names missing", "report_id, part"]),
+        ({"lease_key": "x:{self}", "bind": True}, ["'mod.build'", "names self"]),
+        ({"lease_key": "x:{0}"}, ["'x:{0}'", "must name arguments"]),
+        ({"lease_key": 5}, ["'mod.build'", "lease_key must be a str.format template"]),
+        ({"lease_ttl": 0}, ["'mod.build'", "lease_ttl", "greater than 0"]),
+        ({"lease_ttl": "30"}, ["'mod.build'", "lease_ttl", "got '30'"]),
+        ({"lease_on_busy": "x"}, ["'mod.build'", "lease_on_busy", "'retry', 'skip', 'fail'"]),
+        (
+            {"lease_ttl": 10, "lease_renew_interval": 10},
+            ["'mod.build'", "lease_renew_interval", "shorter than the lease ttl (10s)"],
+        ),
+    ],
+)
+def test_definition__invalid_option_names_task_and_option(
+    options: dict[str, Any], fragments: list[str]
+) -> None:
+    with pytest.raises(FencedConfigurationError) as error:
+        define(**options)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_definition__valid_template(bind: bool) -> None:
+    task = define(lease_key="report:{report_id}", lease_ttl=30, bind=bind)
+    assert isinstance(task, FencedTask)
+    assert (task.acks_late, task.reject_on_worker_lost) == (True, True)
+    assert render_key(task.name, task.lease_key, task.run, (7,), {}) == "report:7"
