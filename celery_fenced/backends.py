@@ -94,12 +94,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         lease: HeldLease,
         current: int | None,
     ) -> Any:
-        current_task = (
+        current_task, ended = (
             Lease._default_manager.using(lease.alias)
             .filter(key=lease.key)
-            .values_list("task_id", flat=True)
+            .values_list("task_id", "released_at")
             .first()
-        )
+        ) or ("", None)
         newer = current if current != lease.token else None
         lease.mark_lost(f"{status} result refused: current token is {current}")
         stale = store.reject_stale(
@@ -113,6 +113,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         )
         if current_task == task_id and newer is not None:
             return result  # a redelivery: the newer execution owns this task's result
+        if current_task == task_id and ended is None:
+            # This execution's own grant expired and nobody has taken over yet: store
+            # nothing and leave the grant unreleased, so the job is not recorded as
+            # completed; the reclaimer or the broker's redelivery runs it again.
+            lease.released = True
+            return result
         if status in states.READY_STATES:
             failure = self.encode_result(stale, states.FAILURE)
             request.meta = {

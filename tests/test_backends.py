@@ -1,0 +1,161 @@
+"""FencedDatabaseBackend: plain tasks exactly as DatabaseBackend; fenced writes by R1–R3."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from billiard.exceptions import WorkerLostError
+from celery import states
+from celery.app.task import Context
+from django.db import connections
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext
+from django_celery_results.backends.database import DatabaseBackend
+from django_celery_results.models import TaskResult
+
+from celery_fenced import acquire
+from celery_fenced.backends import FencedDatabaseBackend
+from celery_fenced.models import Lease, LeaseEvent
+from testproject.celery import app
+
+from . import routers
+from .conftest import DATABASE_ALIASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+@pytest.fixture
+def routed(alias: str, settings: Any) -> Iterator[str]:
+    """Every model (results and leases) on ``alias``."""
+    routers.TARGET = alias
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    yield alias
+    routers.TARGET = "default"
+
+
+def request_for(task_id: str, lease: Any = None) -> Context:
+    request = Context(
+        id=task_id,
+        task="testproject.demo.tasks.probe",
+        args=[1],
+        kwargs={"a": 2},
+        hostname="w@h",
+        argsrepr="[1]",
+        kwargsrepr="{'a': 2}",
+    )
+    if lease is not None:
+        request._fenced_lease = lease
+    return request
+
+
+def row(alias: str, task_id: str) -> dict[str, Any]:
+    found = TaskResult.objects.using(alias).values().get(task_id=task_id)
+    return {
+        k: v
+        for k, v in found.items()
+        if k not in ("id", "task_id", "date_created", "date_done", "date_started")
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "value"),
+    [
+        (states.SUCCESS, {"answer": 42}),
+        (states.FAILURE, ValueError("boom")),
+        (states.STARTED, {"pid": 1}),
+        (states.RETRY, KeyError("again")),
+    ],
+)
+def test_plain_task__stored_exactly_as_database_backend(
+    routed: str, state: str, value: Any
+) -> None:
+    app.conf.result_extended = True
+    DatabaseBackend(app=app).store_result("plain", value, state, request=request_for("plain"))
+    FencedDatabaseBackend(app=app).store_result(
+        "fenced", value, state, request=request_for("fenced")
+    )
+    assert row(routed, "fenced") == row(routed, "plain")
+
+
+def test_fenced_result__written_with_token_and_released_in_one_transaction(routed: str) -> None:
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"ok": True}, states.SUCCESS, request=request_for("t1", lease))
+    stored = TaskResult.objects.using(routed).get(task_id="t1")
+    assert stored.status == states.SUCCESS
+    assert json.loads(stored.meta)["fencing_token"] == lease.token
+    assert Lease.objects.using(routed).get(key="job").released_at is not None
+    event = LeaseEvent.objects.using(routed).get(kind="released")
+    assert event.detail == {"state": "SUCCESS"}
+    assert lease.released
+
+
+def test_stale_result__redelivery_of_same_task_writes_nothing(routed: str) -> None:
+    stale = acquire("job", ttl=30, task_id="t1", using=routed)
+    Lease.objects.using(routed).filter(key="job").update(expires_at=F("acquired_at"))
+    fresh = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"by": "fresh"}, states.SUCCESS, request=request_for("t1", fresh))
+    backend.store_result("t1", {"by": "stale"}, states.SUCCESS, request=request_for("t1", stale))
+    stored = TaskResult.objects.using(routed).get(task_id="t1")
+    assert json.loads(stored.result) == {"by": "fresh"}
+    assert stale.lost
+    rejected = LeaseEvent.objects.using(routed).get(kind="stale_write_rejected")
+    assert (rejected.token, rejected.detail["current_token"]) == (stale.token, fresh.token)
+
+
+@pytest.mark.parametrize("state", [states.SUCCESS, states.STARTED, states.RETRY])
+def test_stale_result__other_task_ends_as_failure_with_stale_token(
+    routed: str, state: str
+) -> None:
+    stale = acquire("report:1", ttl=30, task_id="old", using=routed)
+    Lease.objects.using(routed).filter(key="report:1").update(expires_at=F("acquired_at"))
+    acquire("report:1", ttl=30, task_id="new", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("old", {"v": 1}, state, request=request_for("old", stale))
+    stored = TaskResult.objects.using(routed).filter(task_id="old").first()
+    if state in states.READY_STATES:
+        assert stored is not None
+        assert stored.status == states.FAILURE
+        assert json.loads(stored.result)["exc_type"] == "StaleToken"
+    else:
+        assert stored is None  # a stale STARTED/RETRY is simply not stored
+
+
+def test_untokened_write__never_overwrites_a_fenced_final_result(routed: str) -> None:
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"ok": 1}, states.SUCCESS, request=request_for("t1", lease))
+    # the worker's main process writes WorkerLostError with a request built from the
+    # message: no lease, and a forged token header is just an attribute
+    forged = request_for("t1")
+    forged.fencing_token = 10**6
+    backend.store_result("t1", WorkerLostError("lost"), states.FAILURE, request=forged)
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.SUCCESS
+
+
+def test_statements__fenced_result_write_against_plain(routed: str) -> None:
+    app.conf.result_extended = True
+    connection = connections[routed]
+    with CaptureQueriesContext(connection) as plain:
+        DatabaseBackend(app=app).store_result(
+            "p", {"v": 1}, states.SUCCESS, request=request_for("p")
+        )
+    lease = acquire("job", ttl=30, task_id="f", using=routed)
+    with CaptureQueriesContext(connection) as fenced:
+        FencedDatabaseBackend(app=app).store_result(
+            "f", {"v": 1}, states.SUCCESS, request=request_for("f", lease)
+        )
+    control = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
+
+    def data(q: CaptureQueriesContext) -> int:
+        return sum(not x["sql"].strip().upper().startswith(control) for x in q.captured_queries)
+
+    # the proof (row lock) and the release (one statement with its event on PostgreSQL;
+    # the update and the event on SQLite) come on top of the plain write
+    extra = data(fenced) - data(plain)
+    print(f"{routed}: plain {data(plain)} statements, fenced {data(fenced)}")
+    assert extra <= (2 if routed == "postgres" else 3)
