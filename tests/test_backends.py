@@ -1,4 +1,4 @@
-"""FencedDatabaseBackend: plain tasks exactly as DatabaseBackend; fenced writes by R1–R3."""
+"""FencedDatabaseBackend: plain tasks exactly as DatabaseBackend; fenced writes by R1-R3."""
 
 from __future__ import annotations
 
