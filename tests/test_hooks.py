@@ -94,3 +94,19 @@ def test_fence_configured_tasks__key_naming_a_missing_argument() -> None:
     app = fresh_app(fenced_tasks={"mod.add": {"key": "add:{missing}"}})
     with pytest.raises(FencedConfigurationError, match=r"'mod\.add'.*names missing"):
         fence_configured_tasks(app)
+
+
+@pytest.mark.parametrize("pool", ["gevent", "eventlet"])
+def test_on_worker_init__refuses_green_pools(
+    pool: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from types import SimpleNamespace
+
+    from celery import Celery
+
+    from celery_fenced.hooks import on_worker_init
+
+    worker = SimpleNamespace(app=Celery(set_as_current=False), pool_cls=pool)
+    with pytest.raises(SystemExit):
+        on_worker_init(sender=worker)
+    assert f"the {pool} pool is not supported" in capsys.readouterr().err

@@ -138,7 +138,7 @@ def test_busy_policy__second_delivery_of_a_held_key(
 ) -> None:
     env = {
         "FENCED_TASKS_JSON": json.dumps(
-            {EFFECT: {"ttl": 30, "key": "job:{job}", "on_busy": policy}}
+            {EFFECT: {"ttl": 5, "key": "job:{job}", "on_busy": policy}}
         )
     }
     start_worker("a", concurrency=2, pool="threads", env=env)
@@ -239,3 +239,21 @@ def test_worker_start__invalid_settings_stop_the_worker_naming_them(
         assert "fenced_tasks" in worker.output()
     finally:
         worker.stop()
+
+
+def test_threads_pool__each_execution_sees_its_own_lease(alias: str, start_worker: Any) -> None:
+    start_worker("a", pool="threads", concurrency=2)
+    ids = [
+        send(PROBE, queue=start_worker.queue, kwargs={"seconds": 1.5, "marker": m})
+        for m in ("x", "y")
+    ]
+    values = [result_of(alias, task_id)[1] for task_id in ids]
+    assert {v["marker"] for v in values} == {"x", "y"}
+    for value in values:
+        assert value["current_token"] == value["token"] == 1
+        assert value["lost"] is False
+    assert values[0]["key"] != values[1]["key"]
+    # both ran at once: each grant was acquired before the other was released
+    grants = {e.lease_id: e.at for e in LeaseEvent.objects.using(alias).filter(kind="acquired")}
+    releases = {e.lease_id: e.at for e in LeaseEvent.objects.using(alias).filter(kind="released")}
+    assert max(grants.values()) < min(releases.values())
