@@ -31,6 +31,7 @@ from celery_fenced.store import HeldLease
 logger = logging.getLogger(__name__)
 
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
+ENDED_ELSEWHERE = frozenset({"WorkerLostError", "TimeLimitExceeded", "Terminated"})
 
 
 class _Refused(Exception):
@@ -52,6 +53,16 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
     ) -> Any:
         lease = getattr(request, "_fenced_lease", None) if request is not None else None
         if not isinstance(lease, HeldLease):
+            if self._execution_ended_elsewhere(status, result):
+                ended = store.end_task_grants(task_id, by=f"worker:{status.lower()}")
+                if ended:
+                    logger.info(
+                        "task %s ended (%s): released its grants %s",
+                        task_id,
+                        status,
+                        ended,
+                        extra={"task_id": task_id},
+                    )
             if not self._untokened_may_write(task_id, status):
                 logger.warning(
                     "untokened %s write for task %s refused: a fenced execution's result stands",
@@ -127,6 +138,19 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             }
             super()._store_result(task_id, failure, states.FAILURE, None, request, None)
         return result
+
+    @staticmethod
+    def _execution_ended_elsewhere(status: str, result: Any) -> bool:
+        """A write that tells the executing process is gone or was stopped.
+
+        Revoked (with terminate), a hard time limit, or a lost pool child: written by the
+        worker's main process, whose request carries no lease.
+        """
+        if status == states.REVOKED:
+            return True
+        if status != states.FAILURE or not isinstance(result, dict):
+            return False
+        return result.get("exc_type") in ENDED_ELSEWHERE
 
     def _untokened_may_write(self, task_id: str, status: str) -> bool:
         row = (

@@ -23,6 +23,10 @@ DEFAULTS: dict[str, Any] = {
     "fenced_renew_interval": None,
     "fenced_on_busy": "retry",
     "fenced_database": None,
+    "fenced_reclaim": None,
+    "fenced_reclaim_max": 3,
+    "fenced_reclaim_grace": 1.0,
+    "fenced_reclaim_resend_after": 300.0,
 }
 
 
@@ -38,6 +42,36 @@ def validate_ttl(value: object, name: str) -> float:
             f"{name} must be a number of seconds greater than 0, got {value!r}"
         )
     return seconds
+
+
+def validate_seconds(value: object, name: str) -> float:
+    """Return ``value`` as seconds >= 0, or raise naming ``name`` and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FencedConfigurationError(
+            f"{name} must be a number of seconds (0 or more), got {value!r}"
+        )
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise FencedConfigurationError(
+            f"{name} must be a number of seconds (0 or more), got {value!r}"
+        )
+    return seconds
+
+
+def validate_reclaim(value: object, name: str) -> bool | None:
+    """``None`` (the default rule), ``True`` or ``False``; anything else is an error."""
+    if value is not None and not isinstance(value, bool):
+        raise FencedConfigurationError(
+            f"{name} must be True, False or None (reclaim tasks keyed by the default key "
+            f"only), got {value!r}"
+        )
+    return value
+
+
+def validate_reclaim_max(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FencedConfigurationError(f"{name} must be an integer of 1 or more, got {value!r}")
+    return value
 
 
 def validate_on_busy(value: object, name: str) -> str:
@@ -65,6 +99,13 @@ class TaskOptions:
     on_busy: str
     renew_interval: float
     key: Any = None  # a str.format template, a callable, or None for the default key
+    # record the job at acquire so the reclaimer can send it again; None: the default
+    # rule, on for the default key only (an explicit key is reclaimed by its next acquirer)
+    reclaim: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.reclaim is None:
+            object.__setattr__(self, "reclaim", self.key is None)
 
 
 @dataclass(frozen=True)
@@ -74,6 +115,10 @@ class FencedSettings:
     renew_interval: float | None = None
     on_busy: str = "retry"
     database: str | None = None
+    reclaim: bool | None = None
+    reclaim_max: int = 3
+    reclaim_grace: float = 1.0
+    reclaim_resend_after: float = 300.0
 
     def options_for(self, task_name: str) -> dict[str, Any] | None:
         """The ``fenced_tasks`` options that select ``task_name``, or None.
@@ -95,6 +140,7 @@ class FencedSettings:
         on_busy: object = None,
         renew_interval: object = None,
         key: object = None,
+        reclaim: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
         real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
@@ -111,7 +157,13 @@ class FencedSettings:
             )
         if isinstance(key, str) and not key.strip():
             raise FencedConfigurationError(f"{where} key must not be empty")
-        return TaskOptions(ttl=real_ttl, on_busy=busy, renew_interval=interval, key=key)
+        # the task's own choice, else fenced_reclaim, else the default rule
+        chosen = validate_reclaim(reclaim, f"{where} reclaim")
+        if chosen is None:
+            chosen = self.reclaim
+        return TaskOptions(
+            ttl=real_ttl, on_busy=busy, renew_interval=interval, key=key, reclaim=chosen
+        )
 
 
 def _raw_settings(app: Any = None) -> dict[str, Any]:
@@ -162,6 +214,12 @@ def load(app: Any = None) -> FencedSettings:
         renew_interval=interval,
         on_busy=on_busy,
         database=database,
+        reclaim=validate_reclaim(raw["fenced_reclaim"], "fenced_reclaim"),
+        reclaim_max=validate_reclaim_max(raw["fenced_reclaim_max"], "fenced_reclaim_max"),
+        reclaim_grace=validate_seconds(raw["fenced_reclaim_grace"], "fenced_reclaim_grace"),
+        reclaim_resend_after=validate_ttl(
+            raw["fenced_reclaim_resend_after"], "fenced_reclaim_resend_after"
+        ),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"
@@ -186,6 +244,7 @@ def load(app: Any = None) -> FencedSettings:
             on_busy=options.get("on_busy"),
             renew_interval=options.get("renew_interval"),
             key=options.get("key"),
+            reclaim=options.get("reclaim"),
         )
     return settings
 

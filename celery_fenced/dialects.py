@@ -18,7 +18,8 @@ from typing import Any
 
 from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F
+from django.db.models import F, Q
+from django.db.models.functions import Greatest
 from django.utils.dateparse import parse_datetime
 
 from celery_fenced.models import Lease, LeaseEvent
@@ -41,6 +42,21 @@ class Holder:
     owner: str
     expires_at: dt.datetime
     remaining: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An expired, unfinished grant claimed by one reclaimer (or abandoned by it)."""
+
+    lease_id: int
+    key: str
+    token: int
+    owner: str
+    task_id: str
+    task_name: str
+    job: str
+    attempts: int
+    state: str  # "resent": send the job again; "abandoned": too many attempts
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,13 @@ class Dialect:
 
     # -- acquire ---------------------------------------------------------------------
     def acquire(
-        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None = None,
     ) -> Grant | Holder:
         with transaction.atomic(using=self.alias):
             manager = Lease._default_manager.using(self.alias)
@@ -93,6 +115,7 @@ class Dialect:
                     acquired_at=now,
                     renewed_at=now,
                     expires_at=expires,
+                    job=job,
                 )
                 reclaimed_from = ""
             elif row.released_at is None and row.expires_at > now:
@@ -102,6 +125,8 @@ class Dialect:
                 )
             else:
                 reclaimed_from = row.owner if row.released_at is None else ""
+                # a re-delivery of the same unfinished task keeps its reclaim count
+                same_job = row.released_at is None and task_id != "" and row.task_id == task_id
                 manager.filter(pk=row.pk).update(
                     token=F("token") + 1,
                     owner=owner,
@@ -112,6 +137,10 @@ class Dialect:
                     expires_at=expires,
                     released_at=None,
                     reclaimed_from=reclaimed_from,
+                    job=job,
+                    reclaim_attempts=row.reclaim_attempts if same_job else 0,
+                    reclaim_state="",
+                    reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
                 )
                 row.refresh_from_db(fields=["token"])
             self._grant_event(row.pk, row.token, task_id, owner, now, reclaimed_from)
@@ -200,22 +229,151 @@ class Dialect:
             )
             if row is None:
                 return False
-            manager.filter(pk=row.pk).update(released_at=now)
+            manager.filter(pk=row.pk).update(released_at=now, job=None)
             self._event(row.pk, "released", token, task_id, owner, now, _state(state))
             return True
 
-    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None
+    ) -> tuple[int, str] | None:
+        """End the key's grant (only if it belongs to ``task_id``, when given)."""
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
-            row = manager.select_for_update().filter(key=key, released_at__isnull=True).first()
+            rows = manager.select_for_update().filter(key=key, released_at__isnull=True)
+            if task_id is not None:
+                rows = rows.filter(task_id=task_id)
+            row = rows.first()
             if row is None:
                 return None
-            manager.filter(pk=row.pk).update(released_at=now)
+            manager.filter(pk=row.pk).update(released_at=now, job=None)
             self._event(
                 row.pk, "force_released", row.token, row.task_id, row.owner, now, {"by": by}
             )
             return row.token, row.owner
+
+    # -- reclaim ---------------------------------------------------------------------
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """Claim the expired, unfinished grants that have a job to re-send.
+
+        A grant is claimed once per expiry: the claim sets ``reclaim_state``, which only
+        the next grant clears (or ``resend_after`` seconds, when the re-sent job never
+        started). A claim below ``max_attempts`` counts an attempt and is to be re-sent;
+        one at the maximum abandons the lease with an ``abandoned`` event.
+        """
+        claims: list[Claim] = []
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            eligible = self._eligible(now, grace, resend_after)
+            skip = self.connection.features.has_select_for_update_skip_locked
+            rows = list(
+                manager.select_for_update(skip_locked=skip)
+                .filter(eligible)
+                .order_by("expires_at")[:limit]
+            )
+            for row in rows:
+                resend = row.reclaim_attempts < max_attempts
+                attempts = row.reclaim_attempts + 1 if resend else row.reclaim_attempts
+                state = "resent" if resend else "abandoned"
+                if not manager.filter(eligible, pk=row.pk).update(
+                    reclaim_attempts=attempts, reclaim_state=state, reclaim_claimed_at=now
+                ):
+                    continue
+                claim = Claim(
+                    row.pk,
+                    row.key,
+                    row.token,
+                    row.owner,
+                    row.task_id,
+                    row.task_name,
+                    row.job or "",
+                    attempts,
+                    state,
+                )
+                if not resend:
+                    detail = _abandoned_detail(claim, max_attempts)
+                    self._event(
+                        row.pk, "abandoned", row.token, row.task_id, row.owner, now, detail
+                    )
+                claims.append(claim)
+        return claims
+
+    def expired_unfinished(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """What :meth:`claim_expired` would claim now, claiming nothing (a dry run)."""
+        now = self.now()
+        rows = (
+            Lease._default_manager.using(self.alias)
+            .filter(self._eligible(now, grace, resend_after))
+            .order_by("expires_at")[:limit]
+        )
+        return [
+            Claim(
+                row.pk,
+                row.key,
+                row.token,
+                row.owner,
+                row.task_id,
+                row.task_name,
+                row.job or "",
+                min(row.reclaim_attempts + 1, max_attempts),
+                "resent" if row.reclaim_attempts < max_attempts else "abandoned",
+            )
+            for row in rows
+        ]
+
+    @staticmethod
+    def _eligible(now: dt.datetime, grace: float, resend_after: float) -> Q:
+        return Q(
+            released_at__isnull=True,
+            job__isnull=False,
+            expires_at__lt=now - dt.timedelta(seconds=grace),
+        ) & (
+            Q(reclaim_state="")
+            | Q(
+                reclaim_state="resent",
+                reclaim_claimed_at__lt=now - dt.timedelta(seconds=resend_after),
+            )
+        )
+
+    def unclaim(self, claim: Claim) -> bool:
+        """Undo a claim whose job could not be sent, so that the next sweep tries again."""
+        return bool(
+            Lease._default_manager.using(self.alias)
+            .filter(pk=claim.lease_id, token=claim.token, reclaim_state="resent")
+            .update(reclaim_state="", reclaim_attempts=Greatest(F("reclaim_attempts") - 1, 0))
+        )
+
+    def abandon(self, claim: Claim, reason: str) -> bool:
+        """Abandon a claimed lease whose job cannot be sent again (e.g. unreadable)."""
+        with transaction.atomic(using=self.alias):
+            updated = (
+                Lease._default_manager.using(self.alias)
+                .filter(pk=claim.lease_id, token=claim.token, reclaim_state="resent")
+                .update(reclaim_state="abandoned")
+            )
+            if updated:
+                detail = {"task": claim.task_name, "attempts": claim.attempts, "reason": reason}
+                self._event(
+                    claim.lease_id,
+                    "abandoned",
+                    claim.token,
+                    claim.task_id,
+                    claim.owner,
+                    None,
+                    detail,
+                )
+        return bool(updated)
+
+    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
+        """The ``resent`` event of a claim whose job was sent again."""
+        self._event(
+            claim.lease_id, "resent", claim.token, claim.task_id, claim.owner, None, detail
+        )
 
     # -- fencing ---------------------------------------------------------------------
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
@@ -285,16 +443,24 @@ class SQLDialect(Dialect):
 
     def _upsert(self) -> str:
         now = self.NOW
+        # a re-delivery of the same unfinished task keeps its reclaim count
+        same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
         return f"""
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
-                                      renewed_at, expires_at, released_at, reclaimed_from)
-            VALUES (%s, 1, %s, %s, %s, {now}, {now}, {self.expiry("%s")}, NULL, '')
+                                      renewed_at, expires_at, released_at, reclaimed_from,
+                                      job, reclaim_attempts, reclaim_state, reclaim_claimed_at)
+            VALUES (%s, 1, %s, %s, %s, {now}, {now}, {self.expiry("%s")}, NULL, '',
+                    %s, 0, '', NULL)
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
                 task_name = excluded.task_name, acquired_at = excluded.acquired_at,
                 renewed_at = excluded.renewed_at, expires_at = excluded.expires_at,
                 released_at = NULL,
-                reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END
+                reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
+                job = excluded.job,
+                reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
+                reclaim_state = '',
+                reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
             WHERE l.released_at IS NOT NULL OR l.expires_at <= {now}
             RETURNING id, token, expires_at, reclaimed_from"""
 
@@ -330,6 +496,49 @@ class SQLDialect(Dialect):
 
     def ttl_param(self, ttl: float) -> Any:
         return ttl
+
+    def ago(self, seconds_sql: str) -> str:
+        """SQL for the database's clock minus ``seconds_sql`` seconds."""
+        raise NotImplementedError
+
+    LOCK_SKIP = ""
+
+    def _claim_sql(self) -> tuple[str, list[str]]:
+        """One conditional UPDATE … RETURNING that claims expired, unfinished grants.
+
+        Returns the SQL and the names of its parameters, in order. The condition is
+        repeated outside the batch subquery so that a row claimed by a concurrent
+        reclaimer (whose claim committed first) is re-checked and skipped.
+        """
+        eligible = f"""released_at IS NULL AND job IS NOT NULL
+                AND expires_at < {self.ago("%s")}
+                AND (reclaim_state = '' OR (reclaim_state = 'resent'
+                     AND reclaim_claimed_at < {self.ago("%s")}))"""
+        sql = f"""
+            UPDATE {LEASE} SET
+                reclaim_attempts = CASE WHEN reclaim_attempts < %s
+                                   THEN reclaim_attempts + 1 ELSE reclaim_attempts END,
+                reclaim_state = CASE WHEN reclaim_attempts < %s
+                                THEN 'resent' ELSE 'abandoned' END,
+                reclaim_claimed_at = {self.NOW}
+            WHERE id IN (SELECT id FROM {LEASE} WHERE {eligible}
+                         ORDER BY expires_at LIMIT %s {self.LOCK_SKIP})
+              AND {eligible}
+            RETURNING id, key, token, owner, task_id, task_name, job, reclaim_attempts,
+                      reclaim_state"""
+        names = ["max", "max", "grace", "resend_after", "limit", "grace", "resend_after"]
+        return sql, names
+
+    def _claim_params(
+        self, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Any]:
+        values = {
+            "max": max_attempts,
+            "grace": self.ttl_param(grace),
+            "resend_after": self.ttl_param(resend_after),
+            "limit": limit,
+        }
+        return [values[name] for name in self._claim_sql()[1]]
 
     def record_event(
         self,
@@ -370,9 +579,42 @@ class PostgreSQL(SQLDialect):
 
     # VALUES needs typed columns for the comparisons with bigint and the interval
     VALUES_ROW = "(%s, %s::bigint, %s, %s::float8)"
+    # concurrent reclaimers take different rows instead of queueing on the same ones
+    LOCK_SKIP = "FOR UPDATE SKIP LOCKED"
+
+    def ago(self, seconds_sql: str) -> str:
+        return f"(statement_timestamp() - ({seconds_sql})::float8 * interval '1 second')"
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """The claim and the ``abandoned`` events in one statement."""
+        claim_sql, _ = self._claim_sql()
+        rows = self._fetch(
+            f"""WITH c AS ({claim_sql}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'abandoned', token, task_id, owner, statement_timestamp(),
+                           jsonb_build_object('task', task_name, 'attempts', reclaim_attempts,
+                                              'max', %s::int, 'reason', %s::text)
+                    FROM c WHERE reclaim_state = 'abandoned')
+                SELECT * FROM c""",
+            [
+                *self._claim_params(grace, resend_after, max_attempts, limit),
+                max_attempts,
+                TOO_MANY,
+            ],
+        )
+        return [Claim(*row) for row in rows]
 
     def acquire(
-        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None = None,
     ) -> Grant | Holder:
         rows = self._fetch(
             f"""WITH granted AS ({self._upsert()}),
@@ -385,7 +627,7 @@ class PostgreSQL(SQLDialect):
                                               'previous_token', token - 1) END
                     FROM granted)
                 SELECT id, token, expires_at, reclaimed_from FROM granted""",
-            [key, owner, task_id, task_name, ttl, task_id, owner],
+            [key, owner, task_id, task_name, ttl, job, task_id, owner],
         )
         if rows:
             lease_id, token, expires_at, reclaimed_from = rows[0]
@@ -405,7 +647,7 @@ class PostgreSQL(SQLDialect):
     def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
         rows = self._fetch(
             f"""WITH r AS (
-                    UPDATE {LEASE} SET released_at = statement_timestamp()
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
                     WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
                     RETURNING id, token),
                 ev AS (
@@ -417,11 +659,14 @@ class PostgreSQL(SQLDialect):
         )
         return bool(rows)
 
-    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None
+    ) -> tuple[int, str] | None:
+        only_task = "" if task_id is None else "AND task_id = %s"
         rows = self._fetch(
             f"""WITH r AS (
-                    UPDATE {LEASE} SET released_at = statement_timestamp()
-                    WHERE key = %s AND released_at IS NULL
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                    WHERE key = %s AND released_at IS NULL {only_task}
                     RETURNING id, token, owner, task_id),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
@@ -429,7 +674,7 @@ class PostgreSQL(SQLDialect):
                            jsonb_build_object('by', %s::text)
                     FROM r)
                 SELECT token, owner FROM r""",
-            [key, by],
+            [key, *([] if task_id is None else [task_id]), by],
         )
         return (rows[0][0], rows[0][1]) if rows else None
 
@@ -464,12 +709,43 @@ class SQLite(SQLDialect):
     def ttl_param(self, ttl: float) -> Any:
         return repr(float(ttl))
 
+    def ago(self, seconds_sql: str) -> str:
+        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || ({seconds_sql}) || ' seconds')"
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """The claim in one statement; the ``abandoned`` events in its transaction."""
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                self._claim_sql()[0],
+                self._claim_params(grace, resend_after, max_attempts, limit),
+            )
+            claims = [Claim(*row) for row in rows]
+            for claim in claims:
+                if claim.state == "abandoned":
+                    self._insert_event(
+                        claim.lease_id,
+                        "abandoned",
+                        claim.token,
+                        claim.task_id,
+                        claim.owner,
+                        _abandoned_detail(claim, max_attempts),
+                    )
+        return claims
+
     def acquire(
-        self, key: str, ttl: float, owner: str, task_id: str, task_name: str
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None = None,
     ) -> Grant | Holder:
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
-                self._upsert(), [key, owner, task_id, task_name, self.ttl_param(ttl)]
+                self._upsert(), [key, owner, task_id, task_name, self.ttl_param(ttl), job]
             )
             if rows:
                 lease_id, token, expires_at, reclaimed_from = rows[0]
@@ -505,7 +781,7 @@ class SQLite(SQLDialect):
     def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
-                f"""UPDATE {LEASE} SET released_at = {self.NOW}
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
                     WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
                     RETURNING id""",
                 [key, token, owner],
@@ -514,13 +790,16 @@ class SQLite(SQLDialect):
                 self._insert_event(rows[0][0], "released", token, task_id, owner, _state(state))
             return bool(rows)
 
-    def force_release(self, key: str, by: str) -> tuple[int, str] | None:
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None
+    ) -> tuple[int, str] | None:
+        only_task = "" if task_id is None else "AND task_id = %s"
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
-                f"""UPDATE {LEASE} SET released_at = {self.NOW}
-                    WHERE key = %s AND released_at IS NULL
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                    WHERE key = %s AND released_at IS NULL {only_task}
                     RETURNING id, token, owner, task_id""",
-                [key],
+                [key, *([] if task_id is None else [task_id])],
             )
             if not rows:
                 return None
@@ -542,6 +821,18 @@ class SQLite(SQLDialect):
             return True, token
         current = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
         return False, (current[0][0] if current else None)
+
+
+TOO_MANY = "the job expired unfinished after the maximum number of re-sends"
+
+
+def _abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
+    return {
+        "task": claim.task_name,
+        "attempts": claim.attempts,
+        "max": max_attempts,
+        "reason": TOO_MANY,
+    }
 
 
 def _state(state: str) -> dict[str, Any]:
@@ -568,4 +859,4 @@ def for_alias(alias: str, *, portable: bool = False) -> Dialect:
     return Dialect(alias)
 
 
-__all__ = ["Dialect", "Grant", "Holder", "Renewal", "for_alias"]
+__all__ = ["Claim", "Dialect", "Grant", "Holder", "Renewal", "for_alias"]

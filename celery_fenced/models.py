@@ -20,6 +20,12 @@ def _check(condition: Q, name: str) -> models.CheckConstraint:
     return models.CheckConstraint(name=name, **kwargs)
 
 
+class ReclaimState(models.TextChoices):
+    NONE = "", "-"
+    RESENT = "resent", "re-sent"
+    ABANDONED = "abandoned", "abandoned"
+
+
 class Lease(models.Model):
     """One row per job key: the current (or last) grant and its fencing token."""
 
@@ -38,6 +44,25 @@ class Lease(models.Model):
         default="",
         help_text="Owner whose expired grant this grant took over ('' when the key was free).",
     )
+    # Reclaim: what is needed to send the job again if its grant expires unfinished.
+    # NULL (not "") is "nothing to re-send": the reclaimer's partial index skips it.
+    job = models.TextField(  # noqa: DJ001
+        null=True,
+        blank=True,
+        help_text="The job to re-send if this grant expires unfinished: task name, arguments "
+        "and routing, as JSON (kombu's json serializer). Empty when not reclaimable.",
+    )
+    reclaim_attempts = models.PositiveIntegerField(
+        default=0,
+        help_text="Times the reclaimer re-sent this task id after its grant expired; "
+        "reset by a grant for another task id or after a release.",
+    )
+    reclaim_state = models.CharField(
+        max_length=16, blank=True, default="", choices=ReclaimState.choices
+    )
+    reclaim_claimed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the reclaimer last claimed this lease."
+    )
 
     class Meta:
         verbose_name = "lease"
@@ -51,6 +76,11 @@ class Lease(models.Model):
             models.Index(fields=["task_name"], name="celery_fenced_lease_task"),
             models.Index(fields=["task_id"], name="celery_fenced_lease_task_id"),
             models.Index(fields=["-acquired_at"], name="celery_fenced_lease_acquired"),
+            models.Index(
+                fields=["expires_at"],
+                name="celery_fenced_lease_reclaim",
+                condition=Q(released_at__isnull=True, job__isnull=False),
+            ),
         ]
         permissions = [("force_release_lease", "Can force-release a lease")]
 
@@ -70,6 +100,8 @@ class LeaseEvent(models.Model):
         STALE_WRITE_REJECTED = "stale_write_rejected"
         FORCE_RELEASED = "force_released"
         DUPLICATE = "duplicate"
+        RESENT = "resent"
+        ABANDONED = "abandoned"
 
     lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="events")
     kind = models.CharField(max_length=32, choices=Kind.choices)

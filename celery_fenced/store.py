@@ -245,18 +245,21 @@ def acquire(
     task_name: str = "",
     using: str | None = None,
     renew_interval: float | None = None,
+    job: str | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
     One atomic statement grants the lease when the key is free, released or expired
-    (by the database's clock) and issues the next fencing token.
+    (by the database's clock) and issues the next fencing token. ``job`` (the encoded
+    job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
+    statement, so the reclaimer can send it again if the grant expires unfinished.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
     sent = time.monotonic()
-    outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name)
+    outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name, job)
     if isinstance(outcome, dialects.Holder):
         raise LeaseBusy(
             key,
@@ -313,6 +316,35 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
         sender=Lease, key=key, token=token, owner=owner, task_id="", forced=True
     )
     return token
+
+
+def end_task_grants(task_id: str, *, by: str, using: str | None = None) -> list[int]:
+    """Force-release every live grant held for ``task_id``; return the tokens ended.
+
+    For the worker's main process when it knows the execution is over without the
+    executing process having released (a revoke with terminate, a hard time limit, a lost
+    pool child): the next grant comes at once, and the old holder stays fenced out.
+    """
+    alias = database_alias(using)
+    keys = list(
+        Lease._default_manager.using(alias)
+        .filter(task_id=task_id, released_at__isnull=True)
+        .values_list("key", flat=True)
+    )
+    ended = []
+    for key in keys:
+        outcome = dialects.for_alias(alias).force_release(key, by, task_id=task_id)
+        if outcome is not None:
+            ended.append(outcome[0])
+            signals.lease_released.send(
+                sender=Lease,
+                key=key,
+                token=outcome[0],
+                owner=outcome[1],
+                task_id=task_id,
+                forced=True,
+            )
+    return ended
 
 
 def reject_stale(
@@ -395,6 +427,19 @@ def fenced_transaction(
             owner=lease.owner if lease else "",
             what=what,
         ) from None
+
+
+def current_grant(key: str, *, using: str | None = None) -> tuple[int, str, bool] | None:
+    """``(token, task_id, ended)`` of the key's current or last grant, or None."""
+    row = (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key)
+        .values_list("token", "task_id", "released_at")
+        .first()
+    )
+    if row is None:
+        return None
+    return row[0], row[1], row[2] is not None
 
 
 def in_guard(key: str, token: int) -> bool:

@@ -11,7 +11,7 @@ from celery import Task, states
 from celery.exceptions import Ignore, Reject
 
 from celery_fenced import conf, context, keys
-from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy
+from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy, LeaseLost, StaleToken
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +22,15 @@ class FencedExecution:
     """The fencing of one task execution; mixed into task classes.
 
     Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
-    ``lease_on_busy``, ``lease_renew_interval``); tasks fenced through the
-    ``fenced_tasks`` setting get them from there (``_fenced_config``).
+    ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``); tasks fenced through
+    the ``fenced_tasks`` setting get them from there (``_fenced_config``).
     """
 
     lease_key: Any = None
     lease_ttl: float | None = None
     lease_on_busy: str | None = None
     lease_renew_interval: float | None = None
+    lease_reclaim: bool | None = None
     _fenced_config: dict[str, Any] | None = None
 
     name: str
@@ -49,6 +50,7 @@ class FencedExecution:
                 on_busy=config.get("on_busy"),
                 renew_interval=config.get("renew_interval"),
                 key=config.get("key"),
+                reclaim=config.get("reclaim"),
             )
         return settings.task_options(
             f"task {self.name!r}",
@@ -56,6 +58,7 @@ class FencedExecution:
             on_busy=self.lease_on_busy,
             renew_interval=self.lease_renew_interval,
             key=self.lease_key,
+            reclaim=self.lease_reclaim,
         )
 
     @property
@@ -65,7 +68,7 @@ class FencedExecution:
 
     # -- execution -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from celery_fenced import dialects, store
+        from celery_fenced import dialects, reclaim, store
         from celery_fenced.renewal import renewer
 
         request = self.request
@@ -85,6 +88,8 @@ class FencedExecution:
                 "task %s[%s] already completed under its lease: not run again", self.name, task_id
             )
             raise Ignore()
+        # what the reclaimer needs to send the job again, written by the grant itself
+        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
         try:
             lease = store.acquire(
                 key,
@@ -94,6 +99,7 @@ class FencedExecution:
                 task_name=self.name,
                 using=alias,
                 renew_interval=options.renew_interval,
+                job=job,
             )
         except LeaseBusy as busy:
             return self._on_busy(busy, options.on_busy)
@@ -104,6 +110,10 @@ class FencedExecution:
         marker = context._current.set(lease)
         try:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except (LeaseLost, StaleToken) as exc:
+            if exc.key != key or exc.token != lease.token:
+                raise
+            return self._on_lost(lease, exc)
         except (Ignore, Reject):
             self._fenced_release("IGNORED")
             raise
@@ -114,6 +124,35 @@ class FencedExecution:
             raise
         finally:
             context._current.reset(marker)
+
+    def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
+        """The body learned its grant is gone.
+
+        When the grant merely expired and nobody has taken over, the job is retried at
+        once with the same task id (the retry reclaims the key with a higher token), so
+        a pause does not end the job as a failure. Otherwise the error stands: the result
+        backend stores nothing over a newer execution of the same task id, and fails the
+        task with :class:`StaleToken` when another job holds the key.
+        """
+        from celery_fenced import store
+
+        grant = store.current_grant(lease.key, using=lease.alias)
+        if grant is not None and grant[0] == lease.token and not grant[2]:
+            logger.warning(
+                "task %s[%s]: lease %r expired under token %s with no successor; retrying",
+                self.name,
+                self.request.id,
+                lease.key,
+                lease.token,
+            )
+            from celery_fenced.renewal import renewer
+
+            renewer().unregister(lease)
+            lease.released = True
+            self.request._fenced_lease = None  # the RETRY state is written untokened
+            retry = self.retry  # type: ignore[attr-defined]
+            raise retry(exc=exc, countdown=0, max_retries=None)
+        raise exc
 
     def _on_busy(self, busy: LeaseBusy, policy: str) -> Any:
         logger.info("task %s[%s]: %s (policy %s)", self.name, self.request.id, busy, policy)
@@ -184,6 +223,9 @@ def validate_task_class(cls: type) -> None:
             conf.validate_ttl(getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"),
             f"{where} option lease_renew_interval",
         )
+    reclaim = cls.__dict__.get("lease_reclaim")
+    if reclaim is not None:
+        conf.validate_reclaim(reclaim, f"{where} option lease_reclaim")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

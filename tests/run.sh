@@ -13,6 +13,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint,docs]'
 
+# the admin's browser tests drive Debian's chromium (installed with apt when missing)
+"$VENV/bin/python" -m tests.services chromium >/dev/null
+
 RUN_DIR=$(mktemp -d /tmp/celery-fenced-services.XXXXXX)
 trap '"$VENV/bin/python" -m tests.services stop "$RUN_DIR"' EXIT
 eval "$("$VENV/bin/python" -m tests.services start "$RUN_DIR")"

@@ -1,9 +1,12 @@
 """Throwaway PostgreSQL and Redis servers for the test suite and the benchmarks.
 
-``python -m tests.services start DIR`` starts both on free loopback ports with their data
-in ``DIR`` and prints ``export`` lines for the shell; ``stop DIR`` stops them. PostgreSQL
-refuses to run as root, so as root it runs as the ``postgres`` user. Missing binaries are
-installed with apt when running as root.
+``python -m tests.services chromium`` installs Debian's chromium for the browser tests
+(when missing and root) and prints its path.
+
+``python -m tests.services start DIR`` starts PostgreSQL and Redis on free loopback ports
+with their data in ``DIR`` and prints ``export`` lines for the shell; ``stop DIR`` stops
+them. PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user.
+Missing binaries are installed with apt when running as root.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def redis_binary() -> str:
     return path
 
 
+CHROMIUM = "/usr/bin/chromium"
+
+
+def chromium_binary() -> str:
+    """Debian's chromium for the browser tests (Playwright never downloads a browser)."""
+    if not os.path.exists(CHROMIUM):
+        _apt_install("chromium")
+    if not os.path.exists(CHROMIUM):
+        sys.exit(f"{CHROMIUM} not found after installing chromium")
+    return CHROMIUM
+
+
 def _as_postgres(cmd: list[str]) -> list[str]:
     if os.geteuid() == 0:
         return ["runuser", "-u", "postgres", "--", *cmd]
@@ -74,7 +89,11 @@ def _wait_port(port: int, what: str, timeout: float = 30.0) -> None:
     sys.exit(f"{what} did not listen on port {port} within {timeout:.0f}s")
 
 
-def start_postgres(base: Path) -> dict[str, str]:
+def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
+    """Start PostgreSQL with its data in ``base``; ``extra_options`` are added to its ``-o``.
+
+    The benchmarks pass ``-c shared_preload_libraries=pg_stat_statements`` there.
+    """
     bindir = pg_bindir()
     data = base / "pgdata"
     port = free_port()
@@ -101,6 +120,8 @@ def start_postgres(base: Path) -> dict[str, str]:
         f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off "
         "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
     )
+    if extra_options:
+        options = f"{options} {extra_options}"
     subprocess.run(
         _as_postgres(
             [
@@ -176,8 +197,11 @@ def stop(base: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv == ["chromium"]:
+        print(chromium_binary())
+        return
     if len(argv) != 2 or argv[0] not in ("start", "stop"):
-        sys.exit("usage: python -m tests.services start|stop DIR")
+        sys.exit("usage: python -m tests.services start|stop DIR, or chromium")
     base = Path(argv[1]).resolve()
     if argv[0] == "stop":
         stop(base)

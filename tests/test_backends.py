@@ -159,3 +159,30 @@ def test_statements__fenced_result_write_against_plain(routed: str) -> None:
     extra = data(fenced) - data(plain)
     print(f"{routed}: plain {data(plain)} statements, fenced {data(fenced)}")
     assert extra <= (2 if routed == "postgres" else 3)
+
+
+@pytest.mark.parametrize(
+    ("state", "value", "ends"),
+    [
+        (states.REVOKED, None, True),
+        (states.FAILURE, WorkerLostError("lost"), True),
+        (states.FAILURE, ValueError("an ordinary failure"), False),
+    ],
+)
+def test_untokened_end_of_execution__releases_that_task_grants_only(
+    routed: str, state: str, value: Any, ends: bool
+) -> None:
+    mine = acquire("job:mine", ttl=30, task_id="t1", using=routed)
+    other = acquire("job:other", ttl=30, task_id="t2", using=routed)
+    if state == states.REVOKED:
+        FencedDatabaseBackend(app=app).mark_as_revoked(
+            "t1", "terminated", request=request_for("t1")
+        )
+    else:
+        FencedDatabaseBackend(app=app).store_result("t1", value, state, request=request_for("t1"))
+    assert (Lease.objects.using(routed).get(key="job:mine").released_at is not None) is ends
+    assert Lease.objects.using(routed).get(key="job:other").released_at is None
+    if ends:
+        event = LeaseEvent.objects.using(routed).get(kind="force_released")
+        assert (event.token, event.task_id) == (mine.token, "t1")
+    other.renew()

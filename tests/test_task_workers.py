@@ -257,3 +257,75 @@ def test_threads_pool__each_execution_sees_its_own_lease(alias: str, start_worke
     grants = {e.lease_id: e.at for e in LeaseEvent.objects.using(alias).filter(kind="acquired")}
     releases = {e.lease_id: e.at for e in LeaseEvent.objects.using(alias).filter(kind="released")}
     assert max(grants.values()) < min(releases.values())
+
+
+def test_pause_past_ttl_without_successor__job_retried_and_completes(
+    alias: str, start_worker: Any
+) -> None:
+    """Nobody took over while the holder was stopped: on waking, its write is refused
+    and the job is retried under the same task id with the next token."""
+    from testproject.demo.models import Report
+
+    report = Report.objects.using(alias).create(name="solo")
+    worker = start_worker("a")
+    task_id = send(
+        "testproject.demo.tasks.rebuild_report_short",
+        queue=start_worker.queue,
+        args=(report.pk,),
+        kwargs={"seconds": 2},
+    )
+    key = f"report:{report.pk}"
+    first = wait_for(lambda: Lease.objects.using(alias).filter(key=key).first(), 30, "grant")
+    worker.pause()
+    from celery_fenced.dialects import for_alias
+
+    wait_for(
+        lambda: for_alias(alias).now() > Lease.objects.using(alias).get(key=key).expires_at,
+        30,
+        "the grant to expire by the database's clock",
+    )
+    worker.resume()
+    status, value = result_of(alias, task_id)
+    assert status == "SUCCESS"
+    assert value["token"] == first.token + 1
+    assert Report.objects.using(alias).get(pk=report.pk).fencing_token == first.token + 1
+    kinds = [
+        (e.kind, e.token)
+        for e in LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id")
+    ]
+    assert ("reclaimed", first.token + 1) in kinds
+    assert ("released", first.token + 1) in kinds
+
+
+@pytest.mark.parametrize("ending", ["revoke_terminate", "hard_time_limit"])
+def test_execution_ended_by_the_worker__grant_released_at_once(
+    alias: str, start_worker: Any, ending: str
+) -> None:
+    """The main process ends the execution (revoke --terminate, a hard time limit): the
+    grant is force-released then, not left to run out its 30 s ttl."""
+    start_worker("a")
+    options = {"time_limit": 1} if ending == "hard_time_limit" else {}
+    task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
+    lease = wait_for(lambda: Lease.objects.using(alias).first(), 30, "the grant")
+    if ending == "revoke_terminate":
+        import os
+
+        from testproject.celery import app
+
+        app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
+        app.control.revoke(task_id, terminate=True)
+    released = wait_for(
+        lambda: Lease.objects.using(alias).filter(pk=lease.pk, released_at__isnull=False).first(),
+        15,
+        "the grant to be released before its ttl ran out",
+    )
+    assert released.released_at < lease.expires_at
+    # ended by the executing process (SIGTERM unwinds it) or, if it could not, by the
+    # main process's REVOKED / TimeLimitExceeded write
+    ends = LeaseEvent.objects.using(alias).filter(
+        kind__in=["released", "force_released"], token=lease.token
+    )
+    assert ends.count() == 1
+    end = ends.get()
+    if end.kind == "force_released":
+        assert end.detail["by"].startswith("worker:")

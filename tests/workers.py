@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,6 +41,7 @@ class Worker:
         concurrency: int = 1,
         env: dict[str, str] | None = None,
         log_dir: Path,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = log_dir / f"{self.name}.log"
@@ -74,6 +75,7 @@ class Worker:
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
+            *extra_args,  # more `celery worker` arguments, e.g. ("--include", "module")
         ]
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
@@ -131,3 +133,85 @@ def send(name: str, *, queue: str, args: Any = (), kwargs: Any = None, **options
     app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
     result = app.send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
     return str(result.id)
+
+
+def filesystem_env(folder: Path) -> dict[str, str]:
+    """Worker environment for kombu's filesystem broker in ``folder`` (no server needed)."""
+    return {"FENCED_BROKER_URL": "filesystem://", "FENCED_BROKER_DIR": str(folder)}
+
+
+def broker_app(broker_url: str, folder: Path | None = None) -> Any:
+    """A Celery app of the test project on ``broker_url``, for sending and reclaiming.
+
+    With ``folder`` it uses the filesystem broker in that folder, as the workers started
+    with :func:`filesystem_env` do. Not the current app; close it with ``app.close()``.
+    """
+    from celery import Celery
+
+    app = Celery("tests", set_as_current=False)
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    app.conf.broker_url = broker_url
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        app.conf.broker_transport_options = {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "processed_folder": f"{folder}-processed",
+            "control_folder": f"{folder}-control",
+            "store_processed": False,
+        }
+    return app
+
+
+def reclaim_race(
+    alias: str,
+    broker_url: str,
+    keys: list[str],
+    rounds: int,
+    index: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """Race the other processes to reclaim ``keys``, ``rounds`` times.
+
+    Each round every process sweeps three times; then process 0 plays the re-sent
+    executions: each job is granted again under its task id and left to expire.
+    """
+    from .racer import setup_django
+
+    setup_django()
+    import datetime as dt
+
+    from django.db import connections
+    from django.db.models import F
+
+    from celery_fenced import acquire
+    from celery_fenced.models import Lease
+    from celery_fenced.reclaim import reclaim_expired
+
+    app = broker_app(broker_url)
+    outcomes = []
+    for round_no in range(rounds):
+        barrier.wait()
+        for _ in range(3):
+            for done in reclaim_expired(app, grace=0, using=alias):
+                outcomes.append((round_no, done.key, done.task_id, done.action, done.attempt))
+        barrier.wait()  # every sweep of this round is over
+        if index == 0 and round_no < rounds - 1:
+            leases = Lease.objects.using(alias).filter(key__in=keys)
+            for row in leases:
+                acquire(
+                    row.key,
+                    ttl=60,
+                    task_id=row.task_id,
+                    task_name=row.task_name,
+                    job=row.job,
+                    using=alias,
+                )
+            leases.update(
+                acquired_at=F("acquired_at") - dt.timedelta(seconds=2),
+                expires_at=F("acquired_at") - dt.timedelta(seconds=1),
+            )
+    app.close()
+    connections.close_all()
+    results.put(outcomes)

@@ -33,3 +33,40 @@ class LedgerEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job}/{self.effect} (token {self.token})"
+
+
+class ChaosEntry(models.Model):
+    """An applied effect of a chaos job (``tests/chaos.py``): an append-only ledger.
+
+    Deliberately without a unique constraint: a second application of a job's effect, or
+    a write under a token that was no longer current, must be *visible* to the checker,
+    not prevented by the table. Rows are written only inside a ``guard()`` of the job's
+    lease. ``grant_seen`` and ``end_seen`` are read by the insert statement itself, so they
+    show the lease's event history as that write saw it: the highest token granted so far,
+    and whether this token's grant had already ended.
+    """
+
+    job = models.CharField(max_length=100, db_index=True)
+    lease_key = models.CharField(max_length=255)
+    token = models.BigIntegerField()
+    owner = models.CharField(max_length=255)
+    worker = models.CharField(max_length=255, blank=True, default="")
+    task_id = models.CharField(max_length=255, blank=True, default="")
+    via = models.CharField(max_length=20)
+    written_at = models.DateTimeField()
+    grant_seen = models.BigIntegerField(null=True)
+    end_seen = models.BooleanField(default=False)
+
+    def __str__(self) -> str:
+        return f"{self.job} (token {self.token} by {self.worker})"
+
+
+class ChaosSlot(models.Model):
+    """One row per chaos job written with ``fenced_update``: ``applied`` counts the writes."""
+
+    job = models.CharField(max_length=100, unique=True)
+    applied = models.IntegerField(default=0)
+    fencing_token = FencingTokenField()
+
+    def __str__(self) -> str:
+        return f"{self.job} applied {self.applied}x (token {self.fencing_token})"

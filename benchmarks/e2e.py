@@ -1,0 +1,296 @@
+"""Rows 1 and 2: no-op tasks through real workers, and the SQL each task execution sends.
+
+One ``celery worker`` per variant (prefork, concurrency 2, Redis broker, PostgreSQL),
+all started before the first batch and each on its own queue. Each variant's ``tasks``
+are sent in ``e2e_rounds`` batches that alternate between the variants (the order rotates
+each round), so the machine's load falls on all of them alike. A batch's time runs from
+its first message sent to its last result row's ``date_done``; a variant's time is the
+sum over its batches, and a ratio is the median of the per-round ratios. Beside the wall
+time, the CPU the batch cost is read from ``/proc``: the worker's processes, PostgreSQL's
+(every connection) and Redis's — what other load on the machine disturbs much less.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import (
+    WORKER_ROLE,
+    Context,
+    Line,
+    cpu_seconds,
+    median,
+    rate,
+    rotated,
+    seconds,
+    servers_cpu,
+    spread,
+    worker_env,
+)
+
+PLAIN_BACKEND = "django_celery_results.backends.database:DatabaseBackend"
+FENCED_BACKEND = "celery_fenced.backends:FencedDatabaseBackend"
+TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    task: str
+    backend: str
+    reuse: bool = False  # keep database connections across tasks
+
+
+VARIANTS = (
+    Variant("plain", "plain Task + DatabaseBackend", "bench.noop_plain", PLAIN_BACKEND),
+    Variant("fenced", "FencedTask + FencedDatabaseBackend", "bench.noop_fenced", FENCED_BACKEND),
+    Variant(
+        "redis-lock", "plain Task + Redis SET NX lock", "bench.noop_redis_lock", PLAIN_BACKEND
+    ),
+    # Celery opens a database connection per task unless told to keep them; without that
+    # cost, what the lease costs shows more.
+    Variant("plain-reuse", "plain, connections kept", "bench.noop_plain", PLAIN_BACKEND, True),
+    Variant("fenced-reuse", "fenced, connections kept", "bench.noop_fenced", FENCED_BACKEND, True),
+    # FencedTask acks late (a lost worker's job is redelivered): this separates what late
+    # acknowledgement costs from what the lease costs
+    Variant(
+        "plain-acks-late-reuse",
+        "plain, acks_late, connections kept",
+        "bench.noop_plain_acks_late",
+        PLAIN_BACKEND,
+        True,
+    ),
+)
+
+
+def _queue(variant: Variant) -> str:
+    return f"bench-{variant.name}"
+
+
+def _start_workers(ctx: Context) -> dict[str, Any]:
+    from tests.workers import Worker
+
+    env = {**worker_env(ctx), "FENCED_PG_USER": WORKER_ROLE}
+    workers: dict[str, Any] = {}
+    try:
+        for variant in VARIANTS:
+            workers[variant.name] = Worker(
+                f"bench-{variant.name}",
+                database="postgres",
+                queue=_queue(variant),
+                concurrency=2,
+                env={
+                    **env,
+                    "BENCH_RESULT_BACKEND": variant.backend,
+                    "BENCH_DB_REUSE": "1" if variant.reuse else "0",
+                },
+                log_dir=ctx.work,
+            )
+        for worker in workers.values():
+            worker.wait_ready(timeout=180)
+    except BaseException:
+        for worker in workers.values():
+            worker.stop()
+        raise
+    return workers
+
+
+def _truncate_results() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("TRUNCATE django_celery_results_taskresult")
+
+
+def _progress() -> tuple[int, int, float | None]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT count(*), count(*) FILTER (WHERE status <> 'SUCCESS'),
+                      extract(epoch FROM max(date_done))
+               FROM django_celery_results_taskresult"""
+        )
+        done, failed, last = cursor.fetchone()
+    return int(done), int(failed), (float(last) if last is not None else None)
+
+
+def run_batch(
+    ctx: Context, variant: Variant, count: int, workers: dict[str, Any]
+) -> tuple[float, float]:
+    """Send ``count`` tasks of ``variant``: seconds from the first send to the last result,
+    and CPU seconds spent by the worker, PostgreSQL and Redis meanwhile."""
+    from testproject.celery import app
+
+    _truncate_results()
+    worker = workers[variant.name].process.pid  # its process group (a new session)
+    cpu = cpu_seconds(group=worker) + servers_cpu(ctx)
+    run = uuid.uuid4().hex[:6]
+    started = time.time()
+    for job in range(count):
+        app.send_task(
+            variant.task,
+            args=[job],
+            queue=_queue(variant),
+            task_id=f"{variant.name}-{run}-{job}",
+        )
+    deadline = time.monotonic() + 60 + count * 0.2
+    while True:
+        done, failed, last = _progress()
+        if failed:
+            raise RuntimeError(
+                f"{failed} {variant.name} tasks did not succeed; worker log:\n"
+                + workers[variant.name].output()[-3000:]
+            )
+        if done >= count and last is not None:
+            spent = cpu_seconds(group=worker) + servers_cpu(ctx) - cpu
+            return last - started, spent
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{variant.name}: {done}/{count} results after the deadline; worker log:\n"
+                + workers[variant.name].output()[-3000:]
+            )
+        time.sleep(0.2)
+
+
+def _statements(ctx: Context, variant: Variant, workers: dict[str, Any]) -> dict[str, Any]:
+    """Statements the worker role sent per task of ``variant``, counted by PostgreSQL."""
+    count = ctx.profile.count_tasks
+    _truncate_results()
+    with ctx.count_statements() as read:
+        run_batch(ctx, variant, count, workers)
+        time.sleep(0.5)  # nothing should follow the result row; make sure of it
+        rows = [r for r in read() if r[0] == WORKER_ROLE]
+    total = sum(calls for _, _, calls, _ in rows)
+    control = sum(
+        calls for _, q, calls, _ in rows if q.lstrip().upper().startswith(TRANSACTION_CONTROL)
+    )
+    return {
+        "total": total / count,
+        "data": (total - control) / count,
+        "control": control / count,
+        "statements": _grouped(rows, count),
+    }
+
+
+def _grouped(rows: list[tuple[str, str, int, int]], count: int) -> list[tuple[str, float]]:
+    """Calls per task by statement, savepoints (each with its own name) counted together."""
+    calls: dict[str, int] = {}
+    for _, query, n, _ in rows:
+        text = re.sub(r'SAVEPOINT "[^"]*"', "SAVEPOINT …", " ".join(query.split()))[:120]
+        calls[text] = calls.get(text, 0) + n
+    return sorted(((q, n / count) for q, n in calls.items()), key=lambda x: -x[1])
+
+
+def run(ctx: Context) -> list[Line]:
+    profile = ctx.profile
+    workers = _start_workers(ctx)
+    try:
+        for variant in VARIANTS:  # warm up: imports, connections, the lease rows
+            run_batch(ctx, variant, min(profile.tasks, 50), workers)
+        times: dict[str, list[float]] = {v.name: [] for v in VARIANTS}
+        cpu: dict[str, list[float]] = {v.name: [] for v in VARIANTS}
+        batch = max(1, profile.tasks // profile.e2e_rounds)
+        for round_no in range(profile.e2e_rounds):
+            for variant in rotated(VARIANTS, round_no):
+                wall, spent = run_batch(ctx, variant, batch, workers)
+                times[variant.name].append(wall)
+                cpu[variant.name].append(spent)
+        counts = {v.name: _statements(ctx, v, workers) for v in VARIANTS[:3]}
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    ctx.data["e2e"] = {"batch": batch, "seconds": times, "cpu_seconds": cpu}
+    ctx.data["statements"] = counts
+    return _lines(batch, times, cpu, counts)
+
+
+def _lines(
+    batch: int,
+    times: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    counts: dict[str, dict[str, Any]],
+) -> list[Line]:
+    def ratios(name: str, base: str, values: dict[str, list[float]]) -> list[float]:
+        return [a / b for a, b in zip(values[name], values[base], strict=True)]
+
+    def per_task(name: str) -> str:
+        return f"{sum(cpu[name]) / (batch * len(cpu[name])) * 1000:.1f} ms CPU/task"
+
+    def shown(name: str) -> str:
+        wall = sum(times[name])
+        return f"{seconds(wall)} ({rate(batch * len(times[name]) / wall)})"
+
+    tasks = batch * len(next(iter(times.values())))
+    batches = f"{len(next(iter(times.values())))} batches of {batch:,}"
+
+    lines = []
+    for name, base, case, target in (
+        ("fenced", "plain", "fenced vs plain", True),
+        ("fenced-reuse", "plain-reuse", "fenced vs plain, connections kept", True),
+        ("redis-lock", "plain", "Redis lock vs plain", False),
+        ("fenced-reuse", "plain-acks-late-reuse", "fenced vs plain acks_late, kept", False),
+    ):
+        r = ratios(name, base, times)
+        lines.append(
+            Line(
+                row="1 end to end",
+                case=f"{tasks:,} no-op tasks ({batches}): {case}",
+                measured=shown(name),
+                baseline=shown(base),
+                ratio=median(r),
+                spread=spread(r),
+                target="≤ 1.10x" if target else "",
+                kind="max" if target else None,
+                limit=1.10 if target else None,
+            )
+        )
+    for name, base, case in (
+        ("fenced", "plain", "fenced vs plain"),
+        ("fenced-reuse", "plain-reuse", "fenced vs plain, connections kept"),
+        ("redis-lock", "plain", "Redis lock vs plain"),
+        ("fenced-reuse", "plain-acks-late-reuse", "fenced vs plain acks_late, kept"),
+    ):
+        r = ratios(name, base, cpu)
+        lines.append(
+            Line(
+                row="1 end to end",
+                case=f"CPU (worker + PostgreSQL + Redis): {case}",
+                measured=per_task(name),
+                baseline=per_task(base),
+                ratio=median(r),
+                spread=spread(r),
+            )
+        )
+    plain, fenced = counts["plain"], counts["fenced"]
+    lines.append(
+        Line(
+            row="2 round trips",
+            case="SQL statements per task, fenced vs plain",
+            measured=f"{fenced['total']:.1f} ({fenced['data']:.1f} + {fenced['control']:.1f} tx)",
+            baseline=f"{plain['total']:.1f} ({plain['data']:.1f} + {plain['control']:.1f} tx)",
+            ratio=fenced["total"] - plain["total"],
+            ratio_text=f"+{fenced['total'] - plain['total']:.1f}",
+            target="≤ +2",
+            kind="max",
+            limit=2.0,
+            plot=False,
+        )
+    )
+    lines.append(
+        Line(
+            row="2 round trips",
+            case="the same, without BEGIN/COMMIT/SAVEPOINT",
+            measured=f"{fenced['data']:.1f}",
+            baseline=f"{plain['data']:.1f}",
+            ratio=fenced["data"] - plain["data"],
+            ratio_text=f"+{fenced['data'] - plain['data']:.1f}",
+            plot=False,
+        )
+    )
+    return lines

@@ -1,0 +1,142 @@
+"""The benchmarks' one command: ``bash benchmarks/run.sh`` (that is ``python -m benchmarks``).
+
+Starts a throwaway PostgreSQL (with ``pg_stat_statements`` loaded, tracking off except
+while statements are counted) and Redis through ``tests.services``, runs the five
+benchmarks, prints one table, writes it between the markers of ``docs/benchmarks.md``
+with a bar chart ``docs/benchmarks.svg``, and stops the servers.
+
+``--quick`` measures less (about 2 minutes); ``--smoke`` only proves that every benchmark
+runs (the test suite uses it; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks import e2e, locks, renewal, report, scale
+from benchmarks.common import WORKER_ROLE, Context, Line, Profile, repo_root, worker_env
+
+PG_OPTIONS = "-c shared_preload_libraries=pg_stat_statements"
+DATABASE = "celery_fenced_bench"
+SCALE_DATABASES = ("bench_small", "bench_large")
+
+ROWS: dict[str, tuple[str, Callable[[Context], list[Line]]]] = {
+    "e2e": ("rows 1-2: end to end, statements per task", e2e.run),
+    "locks": ("row 3: lock cycles", locks.run),
+    "scale": ("row 4: scale", scale.run),
+    "renewal": ("row 5: renewal load", renewal.run),
+}
+
+
+def log(message: str) -> None:
+    print(f"# {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+def prepare(ctx: Context) -> None:
+    """Create the roles and databases, migrate them, configure Django in this process."""
+    os.environ.update(worker_env(ctx))
+    with ctx.admin("postgres") as conn:
+        conn.execute(f"CREATE ROLE {WORKER_ROLE} SUPERUSER LOGIN")
+        conn.execute(f"CREATE DATABASE {DATABASE}")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connections
+
+    for alias in ("default", "sqlite"):
+        call_command("migrate", database=alias, verbosity=0)
+    connections.close_all()
+    with ctx.admin() as conn:
+        conn.execute("CREATE EXTENSION pg_stat_statements")
+        # off until a benchmark counts (a -c option would override ALTER SYSTEM)
+        conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
+        conn.execute("SELECT pg_reload_conf()")
+    with ctx.admin("postgres") as conn:
+        for name in ctx.scale_databases:
+            conn.execute(f"CREATE DATABASE {name} TEMPLATE {DATABASE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[0]
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="measure less (about 2 minutes)")
+    size.add_argument("--smoke", action="store_true", help="tiny runs: prove the code works")
+    parser.add_argument("--tasks", type=int, help="tasks per end-to-end batch (default 2,000)")
+    parser.add_argument(
+        "--only", action="append", choices=sorted(ROWS), help="run only these (repeatable)"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=repo_root() / "docs" / "benchmarks.md",
+        help="Markdown file whose results block is replaced (default docs/benchmarks.md)",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--json", type=Path, help="also write the raw numbers here")
+    args = parser.parse_args(argv)
+    profile = Profile.named(
+        "smoke" if args.smoke else "quick" if args.quick else "full", args.tasks
+    )
+
+    from tests import services
+
+    began = time.monotonic()
+    load_start = report.machine()["load"]
+    base = Path(tempfile.mkdtemp(prefix="celery-fenced-bench-servers."))
+    base.chmod(0o755)
+    work = Path(tempfile.mkdtemp(prefix="celery-fenced-bench."))
+    try:
+        log(f"{profile.name} run; starting PostgreSQL and Redis in {base}")
+        pg = services.start_postgres(base, extra_options=PG_OPTIONS)
+        redis_url = services.start_redis(base)["FENCED_REDIS_URL"]
+        ctx = Context(
+            profile=profile,
+            pg={"host": pg["FENCED_PG_HOST"], "port": pg["FENCED_PG_PORT"], "user": "postgres"},
+            database=DATABASE,
+            redis_url=redis_url,
+            sqlite_path=work / "bench.sqlite3",
+            work=work,
+            scale_databases=SCALE_DATABASES,
+            servers=base,
+        )
+        prepare(ctx)
+        lines: list[Line] = []
+        for name in [n for n in ROWS if not args.only or n in args.only]:
+            title, function = ROWS[name]
+            log(title)
+            lines += function(ctx)
+        header = {
+            "machine": {**report.machine(), "load_start": load_start},
+            "versions": report.versions(ctx),
+        }
+        header["machine"]["load_end"] = header["machine"].pop("load")
+        block = report.results_markdown(ctx, lines, header, time.monotonic() - began)
+        print(block)
+        if not args.no_write:
+            svg_path = args.output.with_suffix(".svg")
+            svg_path.write_text(report.svg(lines))
+            report.write_markdown(args.output, block, svg_path.name)
+            log(f"wrote {args.output} and {svg_path}")
+        if args.json:
+            args.json.write_text(json.dumps(report.dump({**header, **ctx.data}), indent=1))
+    finally:
+        if "django" in sys.modules:
+            from django.db import connections
+
+            connections.close_all()
+        services.stop(base)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"done in {(time.monotonic() - began) / 60:.1f} min")
+    return 0

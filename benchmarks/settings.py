@@ -1,0 +1,50 @@
+"""Django settings of the benchmarks: the test project's, on the benchmark's own servers.
+
+- alias ``default``: PostgreSQL database ``BENCH_PG_NAME`` on ``FENCED_PG_*``; the worker
+  processes connect as ``FENCED_PG_USER`` (the runner gives them their own role, so
+  PostgreSQL counts their statements apart from the runner's);
+- alias ``sqlite``: the SQLite file ``BENCH_SQLITE_PATH``;
+- one alias per name in ``BENCH_SCALE_DATABASES`` (comma-separated PostgreSQL databases);
+- the result backend from ``BENCH_RESULT_BACKEND`` (the runner starts one worker per
+  backend), the broker from ``FENCED_REDIS_URL``;
+- ``BENCH_DB_REUSE=1``: the worker keeps its database connections across tasks (Celery's
+  ``CELERY_DB_REUSE_MAX`` with ``CONN_MAX_AGE=None``); by default Celery closes them
+  before and after every task, so each task opens a new one.
+"""
+
+from __future__ import annotations
+
+import os
+
+# the test project's settings read the broker from the environment at import
+os.environ.setdefault("FENCED_BROKER_URL", os.environ.get("FENCED_REDIS_URL", ""))
+
+from testproject.settings import *  # noqa: F403
+from testproject.settings import INSTALLED_APPS, _postgres, _sqlite
+
+REUSE = os.environ.get("BENCH_DB_REUSE") == "1"
+
+
+def _pg(name: str) -> dict[str, object]:
+    database = _postgres(name)
+    if REUSE:
+        database["CONN_MAX_AGE"] = None
+    return database
+
+
+DATABASES = {
+    "default": _pg(os.environ.get("BENCH_PG_NAME", "celery_fenced_bench")),
+    "sqlite": _sqlite(os.environ.get("BENCH_SQLITE_PATH", "/tmp/celery-fenced-bench.sqlite3")),
+}
+for _name in filter(None, os.environ.get("BENCH_SCALE_DATABASES", "").split(",")):
+    DATABASES[_name] = _pg(_name)
+
+# the benchmark tasks are found by the worker's autodiscovery (benchmarks/tasks.py)
+INSTALLED_APPS = [*INSTALLED_APPS, "benchmarks"]
+
+CELERY_RESULT_BACKEND = os.environ.get("BENCH_RESULT_BACKEND", "django-db")
+if REUSE:
+    CELERY_DB_REUSE_MAX = 1_000_000_000
+
+# production-like: with DEBUG on, Django would keep every query in memory (and time it)
+DEBUG = False

@@ -1,0 +1,352 @@
+"""The ``fenced`` subcommands, declared once for ``manage.py fenced`` and ``celery fenced``.
+
+Each subcommand is a function registered with :func:`subcommand`, with its arguments as
+:class:`Arg` values; the management command (argparse) and the Celery command (click)
+build their parsers from :data:`SUBCOMMANDS` and call the same function. To add one,
+register it here with its arguments (see ``reclaim`` below for an example).
+
+This module imports neither Django models nor Celery at import time: ``celery`` loads
+the command on every start, before Django is set up.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import IO as Stream
+from typing import Any
+
+STATES = ("held", "expired", "released")
+LIST_LIMIT = 100
+SHOW_EVENTS = 20
+
+
+class CommandFailed(Exception):
+    """A subcommand could not do what was asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument: ``"key"`` (positional) or ``"--state"`` (an option)."""
+
+    name: str
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    flag: bool = False
+    default: Any = None
+    required: bool = False
+    metavar: str | None = None
+
+    @property
+    def positional(self) -> bool:
+        return not self.name.startswith("-")
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class IO:
+    """Where a subcommand writes: lines of output, errors, and a progress TTY (or None)."""
+
+    write: Callable[[str], None]
+    error: Callable[[str], None]
+    progress: Stream[str] | None = None
+
+
+Handler = Callable[[IO, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    args: tuple[Arg, ...]
+    run: Handler
+
+
+DATABASE = Arg(
+    "--database",
+    "Database alias of the lease table (default: fenced_database, or the router's).",
+    metavar="ALIAS",
+)
+JSON = Arg("--json", "Print JSON instead of a table.", flag=True)
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+HELP = (
+    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
+    "prune --older-than DAYS."
+)
+
+
+def subcommand(name: str, help: str, *args: Arg) -> Callable[[Handler], Handler]:
+    """Register a subcommand (``--database`` is added to every one)."""
+
+    def register(run: Handler) -> Handler:
+        SUBCOMMANDS[name] = Subcommand(name, help, (*args, DATABASE), run)
+        return run
+
+    return register
+
+
+# -- list ------------------------------------------------------------------------------
+@subcommand(
+    "list",
+    "List leases, newest grant first, with their state by the database's clock.",
+    Arg("--state", "Only leases in this state.", choices=STATES),
+    Arg("--task", "Only leases of this task name.", metavar="NAME"),
+    Arg("--prefix", "Only keys starting with this.", metavar="KEY_PREFIX"),
+    Arg("--limit", "At most this many rows (0: all).", type=int, default=LIST_LIMIT),
+    JSON,
+)
+def list_leases(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced import operations
+
+    limit = options.get("limit")
+    limit = LIST_LIMIT if limit is None else limit
+    if limit < 0:
+        raise CommandFailed(f"--limit must be 0 (all) or more, got {limit}")
+    queryset = operations.leases(
+        state=options.get("state"),
+        task=options.get("task"),
+        prefix=options.get("prefix"),
+        using=options.get("database"),
+    )
+    rows = queryset.iterator() if limit == 0 else queryset[:limit]
+    records = [_record(lease) for lease in rows]
+    if options.get("json"):
+        io.write(json.dumps(records, indent=2))
+        return
+    if not records:
+        io.write("No leases.")
+        return
+    table = [
+        (
+            r["key"],
+            str(r["token"]),
+            r["state"],
+            r["owner"],
+            r["task_name"] or "-",
+            operations.describe_expiry(r["expires_in"]),
+        )
+        for r in records
+    ]
+    for line in _table(("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
+        io.write(line)
+    if limit and len(records) == limit:
+        io.write(f"(first {limit}; --limit 0 lists all)")
+
+
+# -- show ------------------------------------------------------------------------------
+@subcommand(
+    "show",
+    "Show one lease and its recent events.",
+    Arg("key", "The lease key.", metavar="KEY"),
+    Arg("--events", "How many recent events.", type=int, default=SHOW_EVENTS, metavar="N"),
+    JSON,
+)
+def show(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced import operations
+
+    lease = operations.find(options["key"], using=options.get("database"))
+    if lease is None:
+        raise CommandFailed(f"no lease for key {options['key']!r}")
+    count = options.get("events")
+    count = SHOW_EVENTS if count is None else max(count, 0)
+    events = [
+        {
+            "at": _iso(e.at),
+            "kind": e.kind,
+            "token": e.token,
+            "owner": e.owner,
+            "task_id": e.task_id,
+            "detail": e.detail,
+        }
+        for e in operations.events(lease)[:count]
+    ]
+    record = _record(lease)
+    if options.get("json"):
+        io.write(json.dumps({**record, "events": events}, indent=2))
+        return
+    fields = [
+        ("key", record["key"]),
+        ("state", record["state"]),
+        ("token", str(record["token"])),
+        ("holder", record["owner"]),
+        ("task", f"{record['task_name'] or '-'} [{record['task_id'] or '-'}]"),
+        ("acquired at", record["acquired_at"]),
+        ("renewed at", record["renewed_at"]),
+        (
+            "expires at",
+            f"{record['expires_at']} ({operations.describe_expiry(record['expires_in'])})",
+        ),
+        ("released at", record["released_at"] or "-"),
+        ("reclaimed from", record["reclaimed_from"] or "-"),
+    ]
+    for name, value in fields:
+        io.write(f"{name + ':':<16}{value}")
+    io.write("")
+    io.write(f"Recent events (newest first, {len(events)} shown):")
+    table = [
+        (e["at"], e["kind"], str(e["token"]), e["owner"], e["task_id"], _detail(e["detail"]))
+        for e in events
+    ]
+    for line in _table(("AT", "KIND", "TOKEN", "OWNER", "TASK ID", "DETAIL"), table):
+        io.write(line)
+
+
+# -- release ---------------------------------------------------------------------------
+@subcommand(
+    "release",
+    "Force-release KEY: end its grant and fence its holder out (recorded as cli:USER).",
+    Arg("key", "The lease key.", metavar="KEY"),
+    Arg("--by", "Who is releasing (default: your user name).", metavar="NAME"),
+)
+def release(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced import operations
+
+    key, using = options["key"], options.get("database")
+    if operations.find(key, using=using) is None:
+        raise CommandFailed(f"no lease for key {key!r}")
+    by = f"cli:{options.get('by') or _user()}"
+    token = operations.force_release(key, by=by, using=using)
+    if token is None:
+        io.write(f"{key}: not held, nothing released.")
+    else:
+        io.write(f"{key}: token {token} force-released by {by}; its holder is fenced out.")
+
+
+# -- reclaim ---------------------------------------------------------------------------
+@subcommand(
+    "reclaim",
+    "Re-send, with the same task id, every job whose lease expired before it finished.",
+    Arg("--grace", "Seconds past expiry before a job is re-sent.", type=float, metavar="S"),
+    Arg("--dry-run", "Show what would be re-sent or abandoned; change nothing.", flag=True),
+)
+def reclaim(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced.reclaim import reclaim_expired
+
+    try:
+        outcomes = reclaim_expired(
+            grace=options.get("grace"),
+            using=options.get("database"),
+            dry_run=bool(options.get("dry_run")),
+        )
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+    rows = [
+        (o.key, o.task_id, o.task_name, str(o.token), str(o.attempt), o.action, o.reason)
+        for o in outcomes
+    ]
+    for line in _table(("KEY", "TASK ID", "TASK", "TOKEN", "ATTEMPT", "ACTION", "REASON"), rows):
+        io.write(line)
+    verb = "would be handled" if options.get("dry_run") else "handled"
+    io.write(f"{len(outcomes)} expired job{'s' if len(outcomes) != 1 else ''} {verb}.")
+
+
+# -- prune -----------------------------------------------------------------------------
+@subcommand(
+    "prune",
+    "Delete events older than DAYS, in batches. Lease rows (and so tokens) are kept.",
+    Arg(
+        "--older-than", "Age in days, by the DB clock.", type=float, required=True, metavar="DAYS"
+    ),
+    Arg("--batch-size", "Events deleted per statement.", type=int, default=10_000, metavar="N"),
+)
+def prune(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced import operations
+
+    bar = ProgressBar(io.progress) if io.progress is not None else None
+    try:
+        deleted = operations.prune_events(
+            older_than_days=options["older_than"],
+            using=options.get("database"),
+            batch_size=options.get("batch_size") or operations.PRUNE_BATCH_SIZE,
+            progress=bar,
+        )
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    plural = "s" if deleted != 1 else ""
+    io.write(f"Deleted {deleted} event{plural} older than {options['older_than']:g} days.")
+
+
+class ProgressBar:
+    """``[#####.....]  50%  5,000/10,000 events`` redrawn in place on a TTY."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: Stream[str]) -> None:
+        self.stream = stream
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        filled = int(self.WIDTH * done / total) if total else self.WIDTH
+        percent = int(100 * done / total) if total else 100
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(f"\r[{bar}] {percent:3d}%  {done:,}/{total:,} events")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# -- helpers ---------------------------------------------------------------------------
+def _record(lease: Any) -> dict[str, Any]:
+    from celery_fenced import operations
+
+    return {
+        "key": lease.key,
+        "token": lease.token,
+        "state": lease.state,
+        "owner": lease.owner,
+        "task_name": lease.task_name,
+        "task_id": lease.task_id,
+        "acquired_at": _iso(lease.acquired_at),
+        "renewed_at": _iso(lease.renewed_at),
+        "expires_at": _iso(lease.expires_at),
+        "released_at": _iso(lease.released_at),
+        "reclaimed_from": lease.reclaimed_from,
+        "expires_in": operations.expires_in(lease),
+    }
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _detail(detail: Any) -> str:
+    return json.dumps(detail, sort_keys=True) if detail else ""
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name (a container without a passwd entry)
+        return "unknown"
+
+
+def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], limit: int = 48) -> list[str]:
+    cut = [tuple(_cut(cell, limit) for cell in row) for row in rows]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cut)) if cut else len(h) for i, h in enumerate(header)
+    ]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cut]
+    return lines
+
+
+def _cut(text: str, limit: int) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"

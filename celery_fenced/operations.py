@@ -1,0 +1,250 @@
+"""Operating the lease table: state by the database's clock, listing, counting, pruning.
+
+Shared by the admin, ``manage.py fenced`` and ``celery fenced`` so that none of them talks
+to the ORM for writes: the only writes here are :func:`force_release` (which is
+:func:`celery_fenced.store.force_release`) and :func:`prune_events`, which deletes old
+:class:`~celery_fenced.models.LeaseEvent` rows and never a lease row, so a key's next
+token always stays above every token it issued.
+
+A lease's state is never decided with this process's clock: every comparison of
+``expires_at`` is made inside the query, against the database's ``Now()``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from django.db import connections
+from django.db.models import Case, Q, QuerySet, Value, When
+from django.db.models.functions import Now
+
+from celery_fenced import store
+from celery_fenced.models import Lease, LeaseEvent
+
+HELD = "held"
+EXPIRED = "expired"
+RELEASED = "released"
+STATES = (HELD, EXPIRED, RELEASED)
+
+#: Kinds that end a grant against its holder's will: shown as takeovers.
+TAKEOVER_KINDS = (LeaseEvent.Kind.RECLAIMED, LeaseEvent.Kind.FORCE_RELEASED)
+
+PRUNE_BATCH_SIZE = 10_000
+COUNT_CAP = 10_000
+
+
+def database_alias(using: str | None = None) -> str:
+    """The database of the lease table (``using``, ``fenced_database`` or the router's)."""
+    return store.database_alias(using)
+
+
+def state_condition(state: str) -> Q:
+    """A filter selecting the leases in ``state``, compared with the database's clock."""
+    if state == RELEASED:
+        return Q(released_at__isnull=False)
+    if state == HELD:
+        return Q(released_at__isnull=True, expires_at__gt=Now())
+    if state == EXPIRED:
+        return Q(released_at__isnull=True, expires_at__lte=Now())
+    raise ValueError(f"state must be one of {', '.join(STATES)}, got {state!r}")
+
+
+def with_state(queryset: QuerySet[Lease]) -> QuerySet[Lease]:
+    """Annotate ``state`` (held / expired / released) and ``db_now``, both by the DB clock."""
+    return queryset.annotate(
+        state=Case(
+            When(released_at__isnull=False, then=Value(RELEASED)),
+            When(expires_at__gt=Now(), then=Value(HELD)),
+            default=Value(EXPIRED),
+        ),
+        db_now=Now(),
+    )
+
+
+def expires_in(lease: Lease) -> float | None:
+    """Seconds until ``lease`` expires by the database's clock (negative: expired ago).
+
+    ``None`` for a released lease. ``lease`` must come from :func:`with_state`.
+    """
+    if lease.released_at is not None:
+        return None
+    now: dt.datetime = getattr(lease, "db_now")  # noqa: B009 - an annotation
+    return (lease.expires_at - now).total_seconds()
+
+
+def describe_expiry(seconds: float | None) -> str:
+    """``in 12s`` / ``expired 3m 04s ago`` / ``—`` (released) for :func:`expires_in`."""
+    if seconds is None:
+        return "—"
+    if seconds > 0:
+        return f"in {duration(seconds)}"
+    return f"expired {duration(seconds)} ago"
+
+
+def duration(seconds: float) -> str:
+    """``2d 03h``, ``3h 02m``, ``4m 10s``, ``12s``, ``0.4s`` (sign ignored)."""
+    seconds = abs(seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def leases(
+    *,
+    state: str | None = None,
+    task: str | None = None,
+    prefix: str | None = None,
+    using: str | None = None,
+) -> QuerySet[Lease]:
+    """Leases with their state, newest grant first, optionally filtered."""
+    queryset = with_state(Lease._default_manager.using(database_alias(using)).all())
+    if state:
+        queryset = queryset.filter(state_condition(state))
+    if task:
+        queryset = queryset.filter(task_name=task)
+    if prefix:
+        queryset = queryset.filter(key__startswith=prefix)
+    return queryset.order_by("-acquired_at", "-id")
+
+
+def find(key: str, *, using: str | None = None) -> Lease | None:
+    """The lease row of ``key`` with its state, or None."""
+    return with_state(Lease._default_manager.using(database_alias(using)).filter(key=key)).first()
+
+
+def events(lease: Lease) -> QuerySet[LeaseEvent]:
+    """The audit trail of ``lease``, newest first."""
+    return (
+        LeaseEvent._default_manager.using(lease._state.db)
+        .filter(lease_id=lease.pk)
+        .order_by("-at", "-id")
+    )
+
+
+def force_release(key: str, *, by: str, using: str | None = None) -> int | None:
+    """End the current grant of ``key`` and fence its holder out (records ``by``).
+
+    Returns the token that was ended, or None when nothing was held.
+    """
+    return store.force_release(key, by=by, using=database_alias(using))
+
+
+def database_now(using: str | None = None) -> dt.datetime:
+    """The database's clock."""
+    from celery_fenced import dialects
+
+    return dialects.for_alias(database_alias(using)).now()
+
+
+def prune_events(
+    *,
+    older_than_days: float,
+    using: str | None = None,
+    batch_size: int = PRUNE_BATCH_SIZE,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Delete the events recorded more than ``older_than_days`` ago; return how many.
+
+    Deletes ``batch_size`` rows per statement (each its own short transaction), so a
+    large trail is pruned without a long lock. The age is measured by the database's
+    clock. Lease rows are never deleted: a key keeps its token, and its next grant still
+    gets a higher one. ``progress(deleted, total)`` is called after every batch.
+    """
+    if not older_than_days > 0:
+        raise ValueError(f"older_than_days must be greater than 0, got {older_than_days!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
+    alias = database_alias(using)
+    cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
+    manager = LeaseEvent._default_manager.using(alias)
+    old = manager.filter(at__lt=cutoff).order_by()
+    total = old.count()
+    deleted = 0
+    while True:
+        # DELETE … WHERE id IN (SELECT id … WHERE at < cutoff LIMIT batch_size)
+        count, _ = manager.filter(id__in=old.values("id")[:batch_size]).delete()
+        if not count:
+            break
+        deleted += count
+        if progress is not None:
+            progress(deleted, max(total, deleted))
+    return deleted
+
+
+def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:
+    """The distinct task names in the lease table (at most ``limit``), in order.
+
+    One index seek per name (a loose index scan), not a scan of the whole table.
+    """
+    names = (
+        Lease._default_manager.using(database_alias(using))
+        .exclude(task_name="")
+        .order_by("task_name")
+        .values_list("task_name", flat=True)
+    )
+    found: list[str] = []
+    while len(found) < limit:
+        name = (names.filter(task_name__gt=found[-1]) if found else names).first()
+        if name is None:
+            break
+        found.append(name)
+    return found
+
+
+@dataclass(frozen=True)
+class Count:
+    """A row count that may be estimated (``about``) or capped (``at_least``)."""
+
+    value: int
+    kind: Literal["exact", "about", "at_least"] = "exact"
+
+    def __str__(self) -> str:
+        if self.kind == "about":
+            return f"about {self.value:,}"
+        if self.kind == "at_least":
+            return f"more than {self.value:,}"
+        return f"{self.value:,}"
+
+
+def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
+    """Count ``queryset`` without reading a whole large table.
+
+    An unfiltered query on PostgreSQL uses the planner's estimate (``pg_class.reltuples``)
+    when it is above ``cap``; any other query is counted up to ``cap`` rows only
+    (default :data:`COUNT_CAP`).
+    """
+    cap = COUNT_CAP if cap is None else cap
+    connection = connections[queryset.db]
+    unordered = queryset.order_by()
+    if connection.vendor == "postgresql" and not queryset.query.where:
+        estimate = _estimated_rows(queryset.db, queryset.model._meta.db_table)
+        # a stale estimate of a table emptied since: check there really are > cap rows
+        if estimate > cap and unordered[cap : cap + 1].exists():
+            return Count(estimate, "about")
+    counted = unordered[: cap + 1].count()
+    if counted > cap:
+        return Count(cap, "at_least")
+    return Count(counted)
+
+
+def _estimated_rows(alias: str, table: str) -> int:
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)",
+            [connection.ops.quote_name(table)],
+        )
+        row = cursor.fetchone()
+    return int(row[0]) if row and row[0] is not None and row[0] > 0 else 0

@@ -1,0 +1,324 @@
+"""Reclaim: send a job again when its lease expired before it finished, on any broker.
+
+A broker gives an unacknowledged message to another worker only late (Redis after its
+visibility timeout, an hour by default) or never (the filesystem transport while the
+first worker lives; a worker killed whole loses the message). Leases expire in seconds.
+So a fenced execution records, with its grant, what is needed to send the job again
+(:func:`job_for`); the reclaimer (:func:`reclaim_expired`, the periodic task
+``celery_fenced.reclaim``) finds the grants that expired unfinished and sends each job
+again with the same task id. The new execution reclaims the lease with the next token;
+the old holder, if it still runs, is fenced.
+
+The job is stored as JSON through kombu's serializer registry and read back accepting
+JSON only: nothing read from the database is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import shared_task
+from kombu import serialization
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "application/json"
+VERSION = 1
+#: options of the original message that are sent again with the job
+OPTION_NAMES = frozenset(
+    {
+        "queue",
+        "exchange",
+        "routing_key",
+        "priority",
+        "root_id",
+        "parent_id",
+        "group_id",
+        "group_index",
+        "link",
+        "link_error",
+        "chain",
+        "chord",
+        "retries",
+        "expires",
+        "time_limit",
+        "soft_time_limit",
+    }
+)
+# request attribute -> send_task option, for the workflow a job belongs to
+_REQUEST_OPTIONS = (
+    ("root_id", "root_id"),
+    ("parent_id", "parent_id"),
+    ("group", "group_id"),
+    ("group_index", "group_index"),
+    ("callbacks", "link"),
+    ("errbacks", "link_error"),
+    ("chain", "chain"),
+    ("chord", "chord"),
+    ("expires", "expires"),
+    ("retries", "retries"),
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as recorded at acquire: enough to send it again."""
+
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What the reclaimer did with one expired, unfinished grant."""
+
+    key: str
+    task_id: str
+    task_name: str
+    token: int  # the expired grant's token; the re-sent execution takes a higher one
+    attempt: int  # re-sends of this task id so far (the maximum, when abandoned)
+    action: str  # "resent", "abandoned", or "failed" (not sent; the next sweep retries)
+    reason: str = ""
+    dry_run: bool = False
+
+
+# -- recording (at acquire, in the worker) -----------------------------------------------
+def encode_job(job: Job) -> str:
+    """The JSON text of ``job`` (kombu's ``json`` serializer: dates, UUIDs, decimals)."""
+    payload = {
+        "v": VERSION,
+        "task": job.task,
+        "args": list(job.args),
+        "kwargs": dict(job.kwargs),
+        "options": job.options,
+    }
+    content_type, _, data = serialization.dumps(payload, serializer="json")
+    if content_type != CONTENT_TYPE:  # pragma: no cover - kombu's registry was changed
+        raise ValueError(f"the json serializer produced {content_type!r}")
+    return data if isinstance(data, str) else data.decode()
+
+
+def decode_job(text: str) -> Job:
+    """Read a recorded job back, accepting JSON only; ``ValueError`` if it is not a job."""
+    try:
+        payload = serialization.loads(text, CONTENT_TYPE, "utf-8", accept={CONTENT_TYPE})
+    except Exception as exc:
+        raise ValueError(f"not a JSON job ({exc})") from None
+    if not isinstance(payload, dict) or payload.get("v") != VERSION:
+        raise ValueError("not a recorded job (unknown format)")
+    task, args, kwargs, options = (payload.get(k) for k in ("task", "args", "kwargs", "options"))
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"the task name must be a non-empty string, got {task!r}")
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise ValueError("args must be a list and kwargs a dict")
+    if not isinstance(options, dict) or not set(options) <= OPTION_NAMES:
+        raise ValueError(f"unexpected options {sorted(set(options or {}) - OPTION_NAMES)}")
+    return Job(task, args, kwargs, options)
+
+
+def job_for(task: Any, args: Any, kwargs: Any) -> str | None:
+    """The job of the execution running ``task`` now, encoded; None if it cannot be re-sent.
+
+    Eager and direct calls have no message to send again. Arguments that JSON cannot
+    carry (a task using pickle) leave the job unrecorded, with a warning.
+    """
+    request = task.request
+    if not request.id or getattr(request, "is_eager", False):
+        return None
+    job = Job(task.name, list(args), dict(kwargs), _options(task, request))
+    try:
+        return encode_job(job)
+    except Exception as exc:
+        logger.warning(
+            "task %s[%s]: its job cannot be recorded as JSON (%s); it will not be reclaimed",
+            task.name,
+            request.id,
+            exc,
+            extra={"task_id": request.id},
+        )
+        return None
+
+
+def _options(task: Any, request: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    info = request.delivery_info or {}
+    exchange, routing_key = info.get("exchange"), info.get("routing_key")
+    queue = _queue_name(task.app, exchange, routing_key)
+    if queue:
+        options["queue"] = queue
+    elif routing_key:
+        options["exchange"] = exchange or ""
+        options["routing_key"] = routing_key
+    if info.get("priority") is not None:
+        options["priority"] = info["priority"]
+    for attribute, option in _REQUEST_OPTIONS:
+        value = getattr(request, attribute, None)
+        if value:
+            options[option] = value
+    hard, soft = [*(request.timelimit or ()), None, None][:2]
+    if hard:
+        options["time_limit"] = hard
+    if soft:
+        options["soft_time_limit"] = soft
+    return options
+
+
+def _queue_name(app: Any, exchange: str | None, routing_key: str | None) -> str | None:
+    """The name of the queue the message came from, as this app knows its queues."""
+    if not routing_key:
+        return None
+    if not exchange:  # the default exchange routes by queue name
+        return routing_key
+    try:
+        queues = list(app.amqp.queues.values())
+    except Exception:  # pragma: no cover - an app without routing configured
+        return None
+    for queue in queues:
+        if getattr(queue.exchange, "name", None) == exchange and queue.routing_key == routing_key:
+            return str(queue.name)
+    return None
+
+
+# -- the reclaimer -----------------------------------------------------------------------
+def reclaim_expired(
+    app: Any = None,
+    *,
+    grace: float | None = None,
+    using: str | None = None,
+    limit: int = 100,
+    dry_run: bool = False,
+) -> list[Reclaimed]:
+    """Send again every job whose lease expired before it finished; return what was done.
+
+    A grant is eligible when it is unreleased, has a recorded job, and expired more than
+    ``grace`` seconds ago (default ``fenced_reclaim_grace``) by the database's clock. Each
+    is claimed by one conditional statement, so concurrent reclaimers send at most one
+    message per expiry; the job goes out with its task id, arguments and routing. After
+    ``fenced_reclaim_max`` re-sends of the same task id the lease is abandoned instead
+    (an ``abandoned`` event). ``dry_run`` claims nothing and sends nothing: it reports
+    what a sweep would do. Claims are taken ``limit`` at a time until none is left.
+    """
+    from celery_fenced import conf, dialects, store
+
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    settings = conf.load(app)
+    grace = settings.reclaim_grace if grace is None else conf.validate_seconds(grace, "grace")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
+    dialect = dialects.for_alias(store.database_alias(using))
+    if dry_run:
+        return _preview(dialect, grace, settings.reclaim_resend_after, settings.reclaim_max, limit)
+    outcomes: list[Reclaimed] = []
+    while True:
+        claims = dialect.claim_expired(
+            grace=grace,
+            resend_after=settings.reclaim_resend_after,
+            max_attempts=settings.reclaim_max,
+            limit=limit,
+        )
+        batch = [_handle(app, dialect, claim, settings.reclaim_max) for claim in claims]
+        outcomes += batch
+        if len(claims) < limit or any(o.action == "failed" for o in batch):
+            return outcomes
+
+
+def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
+    def outcome(action: str, reason: str = "") -> Reclaimed:
+        return Reclaimed(
+            claim.key, claim.task_id, claim.task_name, claim.token, claim.attempts, action, reason
+        )
+
+    extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
+    if claim.state == "abandoned":
+        logger.error(
+            "lease %r abandoned: task %s[%s] expired unfinished after %d re-sends",
+            claim.key,
+            claim.task_name,
+            claim.task_id,
+            claim.attempts,
+            extra=extra,
+        )
+        return outcome("abandoned", "too many re-sends")
+    try:
+        job = decode_job(claim.job)
+    except ValueError as exc:
+        reason = f"unreadable job: {exc}"
+        logger.error("lease %r abandoned: %s", claim.key, reason, extra=extra)
+        dialect.abandon(claim, reason)
+        return outcome("abandoned", reason)
+    try:
+        app.send_task(
+            job.task,
+            args=job.args,
+            kwargs=job.kwargs,
+            task_id=claim.task_id,
+            add_to_parent=False,
+            **job.options,
+        )
+    except Exception as exc:
+        logger.warning(
+            "lease %r: could not send task %s[%s] again (%r); the next sweep retries",
+            claim.key,
+            job.task,
+            claim.task_id,
+            exc,
+            extra=extra,
+        )
+        dialect.unclaim(claim)
+        return outcome("failed", repr(exc))
+    detail = {
+        "attempt": claim.attempts,
+        "max": max_attempts,
+        "previous_owner": claim.owner,
+        "queue": job.options.get("queue") or job.options.get("routing_key", ""),
+    }
+    try:
+        dialect.record_resent(claim, detail)
+    except Exception:  # the message is out; the event is best effort
+        logger.info("could not record the resent event for %r", claim.key, exc_info=True)
+    logger.warning(
+        "lease %r expired unfinished under token %s (holder %s): sent task %s[%s] again "
+        "(attempt %d of %d)",
+        claim.key,
+        claim.token,
+        claim.owner,
+        job.task,
+        claim.task_id,
+        claim.attempts,
+        max_attempts,
+        extra=extra,
+    )
+    return outcome("resent")
+
+
+def _preview(
+    dialect: Any, grace: float, resend_after: float, max_attempts: int, limit: int
+) -> list[Reclaimed]:
+    return [
+        Reclaimed(
+            c.key,
+            c.task_id,
+            c.task_name,
+            c.token,
+            c.attempts,
+            c.state,
+            "" if c.state == "resent" else "too many re-sends",
+            dry_run=True,
+        )
+        for c in dialect.expired_unfinished(
+            grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+        )
+    ]
+
+
+@shared_task(name="celery_fenced.reclaim", bind=True, ignore_result=True)
+def reclaim_task(self: Any) -> int:
+    """The periodic reclaimer: ``{"task": "celery_fenced.reclaim", "schedule": 5.0}``."""
+    return sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
