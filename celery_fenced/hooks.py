@@ -115,6 +115,31 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         _stop(str(exc))
     if names:
         logger.info("celery-fenced: fencing %s", ", ".join(sorted(names)))
+    _check_tables(app)
+
+
+def _check_tables(app: Any) -> None:
+    """Stop the worker when fenced tasks would find no lease tables (migrations not run).
+
+    An unreachable database does not stop the worker: tasks retry until it is back.
+    """
+    from django.db import DatabaseError, connections
+
+    from celery_fenced import schema, store
+    from celery_fenced.exceptions import FencedConfigurationError
+    from celery_fenced.task import FencedExecution
+
+    if not any(isinstance(task, FencedExecution) for task in app.tasks.values()):
+        return
+    alias = store.database_alias()
+    try:
+        schema.check_tables(alias)
+    except FencedConfigurationError as exc:
+        _stop(str(exc))
+    except DatabaseError as exc:
+        logger.warning("celery-fenced: could not check the lease tables in %r: %s", alias, exc)
+    finally:
+        connections[alias].close()
 
 
 def on_worker_process_init(**kwargs: Any) -> None:

@@ -115,4 +115,9 @@ def render_key(
             f"task {task_name!r}: the lease key is {len(key)} characters; at most "
             f"{KEY_MAX_LENGTH} are allowed"
         )
+    if "\x00" in key:
+        raise FencedError(
+            f"task {task_name!r}: the lease key {key[:40]!r} contains a NUL character, "
+            "which PostgreSQL cannot store"
+        )
     return key

@@ -27,6 +27,7 @@ from celery_fenced import conf, dialects, signals
 from celery_fenced.context import _guards
 from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.models import KEY_MAX_LENGTH, OWNER_MAX_LENGTH, Lease
+from celery_fenced.schema import tables_required
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ def validate_key(key: object) -> str:
     if len(key) > KEY_MAX_LENGTH:
         raise ValueError(
             f"key must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
+        )
+    if "\x00" in key:
+        raise ValueError(
+            f"key must not contain NUL characters ('\\x00'; PostgreSQL cannot store them), "
+            f"got {key[:40]!r}"
         )
     return key
 
@@ -259,7 +265,8 @@ def acquire(
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
     sent = time.monotonic()
-    outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name, job)
+    with tables_required(alias):
+        outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name, job)
     if isinstance(outcome, dialects.Holder):
         raise LeaseBusy(
             key,

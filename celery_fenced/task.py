@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -9,6 +10,7 @@ from typing import Any
 
 from celery import Task, states
 from celery.exceptions import Ignore, Reject
+from django.db import InterfaceError, OperationalError
 
 from celery_fenced import conf, context, keys
 from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy, LeaseLost, StaleToken
@@ -68,7 +70,7 @@ class FencedExecution:
 
     # -- execution -------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from celery_fenced import dialects, reclaim, store
+        from celery_fenced import store
         from celery_fenced.renewal import renewer
 
         request = self.request
@@ -80,29 +82,12 @@ class FencedExecution:
         key = keys.render_key(self.name, options.key, self.run, args, kwargs)
         task_id = request.id or ""
         alias = store.database_alias()
-        if task_id and _completed_before(alias, task_id):
-            dialects.for_alias(alias).record_event(
-                key, "duplicate", None, task_id, _owner(request), {"task": self.name}
-            )
-            logger.info(
-                "task %s[%s] already completed under its lease: not run again", self.name, task_id
-            )
-            raise Ignore()
-        # what the reclaimer needs to send the job again, written by the grant itself
-        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
         try:
-            lease = store.acquire(
-                key,
-                ttl=options.ttl,
-                owner=_owner(request),
-                task_id=task_id,
-                task_name=self.name,
-                using=alias,
-                renew_interval=options.renew_interval,
-                job=job,
-            )
+            lease = self._take_lease(key, options, alias, task_id, args, kwargs)
         except LeaseBusy as busy:
             return self._on_busy(busy, options.on_busy)
+        except (OperationalError, InterfaceError) as exc:
+            return self._on_database_error(exc)
         request.fencing_token = lease.token
         request.lease_key = key
         request._fenced_lease = lease
@@ -124,6 +109,58 @@ class FencedExecution:
             raise
         finally:
             context._current.reset(marker)
+
+    def _take_lease(
+        self,
+        key: str,
+        options: conf.TaskOptions,
+        alias: str,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+    ) -> Any:
+        """Skip a completed duplicate, else grant this execution the key (or LeaseBusy)."""
+        from celery_fenced import dialects, reclaim, store
+
+        request = self.request
+        if task_id and _completed_before(alias, task_id):
+            dialects.for_alias(alias).record_event(
+                key, "duplicate", None, task_id, _owner(request), {"task": self.name}
+            )
+            logger.info(
+                "task %s[%s] already completed under its lease: not run again", self.name, task_id
+            )
+            raise Ignore()
+        # what the reclaimer needs to send the job again, written by the grant itself
+        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
+        return store.acquire(
+            key,
+            ttl=options.ttl,
+            owner=_owner(request),
+            task_id=task_id,
+            task_name=self.name,
+            using=alias,
+            renew_interval=options.renew_interval,
+            job=job,
+        )
+
+    def _on_database_error(self, exc: Exception) -> Any:
+        """The database failed before the grant: try the job again later, not never.
+
+        Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
+        covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s).
+        """
+        retries = int(getattr(self.request, "retries", 0) or 0)
+        countdown = min(2.0 ** min(retries, 4), 10.0)
+        logger.warning(
+            "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
+            self.name,
+            self.request.id,
+            exc,
+            countdown,
+        )
+        retry = self.retry  # type: ignore[attr-defined]
+        raise retry(exc=exc, countdown=countdown, max_retries=None)
 
     def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
         """The body learned its grant is gone.
@@ -240,11 +277,13 @@ def validate_task_class(cls: type) -> None:
                 f"{where} option lease_key must be a str.format template or a callable "
                 f"(args, kwargs) -> str, got {key!r}"
             )
+        elif inspect.isfunction(key):
+            # a plain function in a class body would be bound as a method of the task
+            cls.lease_key = staticmethod(key)  # type: ignore[attr-defined]
 
 
 def _without_self(func: Any) -> Any:
     import functools
-    import inspect
 
     params = list(inspect.signature(func).parameters.values())
     if not params:

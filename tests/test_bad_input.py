@@ -68,13 +68,6 @@ from .conftest import DATABASE_ALIASES
 from .workers import Worker
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
-KEY_BINDING = (
-    "a function given as lease_key becomes a method of the task class, so it is called as "
-    "key(task, args, kwargs) and every execution fails with TypeError; fix in "
-    "celery_fenced/task.py validate_task_class: store a plain function as "
-    "staticmethod(key) on the class (or read it with inspect.getattr_static in "
-    "fenced_options)"
-)
 
 
 def fresh_app(**values: Any) -> Celery:
@@ -217,21 +210,18 @@ EXECUTIONS = [
         (1,),
         "the lease_key callable raised RuntimeError('boom')",
         id="key-callable-raises",
-        marks=pytest.mark.xfail(strict=True, reason=KEY_BINDING),
     ),
     pytest.param(
         {"lease_key": not_a_string},
         (1,),
         "the lease_key callable must return a str, got int",
         id="key-callable-returns-int",
-        marks=pytest.mark.xfail(strict=True, reason=KEY_BINDING),
     ),
     pytest.param(
         {"lease_key": report_key},
         (7,),
         None,  # no error: the callable's key is used
         id="key-callable-valid",
-        marks=pytest.mark.xfail(strict=True, reason=KEY_BINDING),
     ),
     pytest.param(
         {"lease_key": "report:{part}"},
@@ -339,13 +329,6 @@ STORE_CALLS: list[Any] = [
         ValueError,
         "key must not contain NUL",
         id="acquire-key-with-nul",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="a key with a NUL character is stored by SQLite but refused by PostgreSQL "
-            "with a DataError that names neither the key nor the argument; fix in "
-            "celery_fenced/store.py validate_key (and so keys.render_key's keys): reject "
-            "'\\x00' with ValueError('key must not contain NUL characters …')",
-        ),
     ),
     pytest.param(
         lambda a: acquire("k", ttl=0, using=a),
@@ -413,20 +396,27 @@ def test_store__bad_call_names_the_cause_and_changes_nothing(
 
 # -- the database: tables missing, server unreachable -------------------------------------
 @db
-@pytest.mark.xfail(
-    strict=True,
-    reason="without celery_fenced's migrations, acquire raises the driver's 'no such table: "
-    "celery_fenced_lease' (SQLite) / 'relation \"celery_fenced_lease\" does not exist' "
-    "(PostgreSQL), which does not say what to do; fix: translate that error at the store's "
-    "boundary (celery_fenced/dialects.py _fetch/Dialect methods, or store.acquire) into "
-    "FencedConfigurationError naming the database and `manage.py migrate celery_fenced`, and "
-    "check the tables at worker start (hooks.on_worker_init)",
-)
 def test_migrations_not_applied__error_names_migrate(alias: str) -> None:
     caught = acquire_without_tables(alias)
     assert isinstance(caught, FencedConfigurationError), repr(caught)
     assert "migrate" in str(caught)
     assert Lease.objects.using(alias).count() == 0  # the tables are back, untouched
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(120)
+def test_migrations_not_applied__worker_start_stops_naming_migrate(tmp_path: Path) -> None:
+    empty = tmp_path / "never-migrated.sqlite3"
+    env = {"FENCED_USE_TEST_DATABASES": "0", "FENCED_SQLITE_PATH": str(empty)}
+    worker = Worker(
+        "unmigrated", database="default", queue="q-unmigrated", log_dir=tmp_path, env=env
+    )
+    try:
+        assert worker.process.wait(timeout=60) != 0
+        assert "celery_fenced_lease of celery_fenced does not exist" in worker.output()
+        assert "manage.py migrate celery_fenced" in worker.output()
+    finally:
+        worker.stop()
 
 
 class _Rollback(Exception):

@@ -181,14 +181,6 @@ def test_retry_sent_before_a_failure__still_runs(alias: str, start_worker: Any) 
 
 
 @pytest.mark.parametrize("alias", ["postgres"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a database error in FencedExecution.__call__ before the body (the duplicate "
-    "check _completed_before, or store.acquire) fails the job for good: the task's "
-    "autoretry_for wraps only run(), and without a grant the reclaimer never sees the job; "
-    "fix in celery_fenced/task.py __call__: on OperationalError/InterfaceError before the "
-    "grant, raise self.retry(exc=..., countdown=..., max_retries=None) as the busy policy does",
-)
 def test_database_down_when_a_job_arrives__job_still_completes(
     alias: str, start_worker: Any
 ) -> None:
