@@ -16,6 +16,8 @@ from celery_fenced.exceptions import FencedConfigurationError
 
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
 TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim")
+#: task name prefixes a glob pattern never selects (an exact name still does)
+NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
 
 DEFAULTS: dict[str, Any] = {
     "fenced_tasks": {},
@@ -123,10 +125,14 @@ class FencedSettings:
     def options_for(self, task_name: str) -> dict[str, Any] | None:
         """The ``fenced_tasks`` options that select ``task_name``, or None.
 
-        An exact name wins over glob patterns; among patterns the longest wins.
+        An exact name wins over glob patterns; among patterns the longest wins. Patterns
+        never select Celery's built-in tasks (``celery.*``) or this package's own
+        (``celery_fenced.*``): ``"*"`` means all of *your* tasks.
         """
         if task_name in self.tasks:
             return dict(self.tasks[task_name])
+        if task_name.startswith(NEVER_BY_PATTERN):
+            return None
         matches = [p for p in self.tasks if fnmatch.fnmatchcase(task_name, p)]
         if not matches:
             return None

@@ -159,3 +159,13 @@ def test_task_options__merged_over_the_defaults(
     options: dict[str, Any], expected: conf.TaskOptions
 ) -> None:
     assert conf.FencedSettings().task_options("task 't'", **options) == expected
+
+
+@pytest.mark.parametrize(
+    "task_name", ["celery.chord_unlock", "celery.backend_cleanup", "celery_fenced.reclaim"]
+)
+def test_options_for__star_never_selects_builtin_tasks(task_name: str) -> None:
+    settings = conf.FencedSettings(tasks={"*": {"ttl": 5}, "celery.accumulate": {"ttl": 7}})
+    assert settings.options_for(task_name) is None
+    assert settings.options_for("reports.rebuild") == {"ttl": 5}
+    assert settings.options_for("celery.accumulate") == {"ttl": 7}  # named exactly
