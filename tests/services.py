@@ -33,10 +33,11 @@ def _apt_install(package: str) -> None:
         sys.exit(f"{package} is not installed and this is not root: install it first")
     print(f"# installing {package} with apt-get", file=sys.stderr)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, stdout=sys.stderr)
-    subprocess.run(
-        ["apt-get", "install", "-y", "-qq", package], check=True, env=env, stdout=sys.stderr
-    )
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
+        if run.returncode != 0:  # apt's output only when it failed
+            sys.exit(f"{' '.join(command)} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
+    print(f"# installed {package}", file=sys.stderr)
 
 
 def pg_bindir() -> Path:
