@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 
 from celery_fenced.exceptions import FencedConfigurationError
 
@@ -198,7 +202,71 @@ def _django_setting(name: str) -> Any:
 
 
 def load(app: Any = None) -> FencedSettings:
-    """Read and validate the ``fenced_*`` settings of ``app`` (default: the current app)."""
+    """The validated ``fenced_*`` settings of ``app`` (default: the current app).
+
+    Read and validated once, then kept on the app until its settings change: a change
+    through ``app.conf`` (``update``, attribute or item assignment), a new configuration
+    (``config_from_object``) or a change of Django settings through ``override_settings``
+    (or pytest-django's ``settings``, or anything that sends ``setting_changed``) is seen
+    by the next call. Invalid settings are never kept: every call raises until fixed.
+    """
+    if app is None:
+        from celery._state import get_current_app
+
+        app = get_current_app()  # the app itself: each access through the proxy costs
+    kept = getattr(app, _CACHE_ATTRIBUTE, None)
+    if kept is not None:
+        stamp = _stamp(app)
+        if stamp is not None and kept[0] == stamp[0] and _all_same(kept[1], stamp[1]):
+            return kept[2]  # type: ignore[no-any-return]
+    settings = _load(app)
+    stamp = _stamp(app)  # after reading: the first read finalizes a pending configuration
+    if stamp is not None:
+        setattr(app, _CACHE_ATTRIBUTE, (*stamp, settings))
+    return settings
+
+
+#: Where :func:`load` keeps an app's validated settings, with the stamp they were read at.
+_CACHE_ATTRIBUTE = "_celery_fenced_settings"
+#: The names a setting can have among ``app.conf``'s own changes (with and without the
+#: Django namespace).
+_CHANGE_KEYS = (*DEFAULTS, *(f"CELERY_{name.upper()}" for name in DEFAULTS))
+#: Bumped whenever Django announces a settings change.
+_generation = 0
+
+
+def _stamp(app: Any) -> tuple[tuple[int, int], tuple[Any, ...]] | None:
+    """What the settings were read from: counters, and objects compared by identity.
+
+    ``app.conf``, its maps (Celery can swap a configuration in place) and its own changes
+    of the ``fenced_*`` names; Django's settings holder, which ``override_settings``
+    replaces on every change. None when the app's configuration is not a Celery
+    ``Settings`` (yet): then nothing is kept.
+    """
+    conf = app.conf
+    changes = getattr(conf, "changes", None)
+    if not isinstance(changes, dict):
+        return None
+    holder = django_settings._wrapped  # type: ignore[misc]
+    maps = conf.maps
+    return (_generation, len(maps)), (holder, conf, *maps, *map(changes.get, _CHANGE_KEYS))
+
+
+def _all_same(kept: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Every value the very same object (contents are not compared: identity is cheap)."""
+    return len(kept) == len(now) and all(map(operator.is_, kept, now))
+
+
+def _settings_changed(**kwargs: Any) -> None:
+    global _generation
+    _generation += 1
+
+
+setting_changed.connect(_settings_changed, dispatch_uid="celery_fenced.conf.settings_changed")
+
+
+def _load(app: Any) -> FencedSettings:
+    """Read and validate the ``fenced_*`` settings of ``app``."""
     raw = _raw_settings(app)
     tasks = raw["fenced_tasks"]
     if not isinstance(tasks, Mapping):

@@ -169,3 +169,36 @@ def test_options_for__star_never_selects_builtin_tasks(task_name: str) -> None:
     assert settings.options_for(task_name) is None
     assert settings.options_for("reports.rebuild") == {"ttl": 5}
     assert settings.options_for("celery.accumulate") == {"ttl": 7}  # named exactly
+
+
+def test_load__kept_until_the_app_conf_changes() -> None:
+    app = fresh_app(fenced_default_ttl=5)
+    first = conf.load(app)
+    assert conf.load(app) is first  # read and validated once
+    app.conf.update(fenced_default_ttl=6)
+    assert conf.load(app).default_ttl == 6.0
+    app.conf.fenced_on_busy = "skip"
+    assert conf.load(app).on_busy == "skip"
+    app.conf["fenced_on_busy"] = "fail"
+    assert conf.load(app).on_busy == "fail"
+
+
+def test_load__kept_until_django_settings_change(settings: Any) -> None:
+    app = fresh_app()
+    assert conf.load(app).default_ttl == 60.0
+    settings.CELERY_FENCED_DEFAULT_TTL = 9
+    assert conf.load(app).default_ttl == 9.0
+    del settings.CELERY_FENCED_DEFAULT_TTL
+    assert conf.load(app).default_ttl == 60.0
+
+
+def test_load__invalid_settings_are_never_kept() -> None:
+    app = fresh_app(fenced_on_busy="sometimes")
+    for _ in range(2):
+        with pytest.raises(FencedConfigurationError):
+            conf.load(app)
+    app.conf.update(fenced_on_busy="skip")
+    assert conf.load(app).on_busy == "skip"
+    app.conf.update(fenced_on_busy="never")
+    with pytest.raises(FencedConfigurationError):
+        conf.load(app)
