@@ -1,0 +1,38 @@
+"""The README's first command: the demo plays the worked example and checks every step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(180)
+def test_demo__plays_the_fenced_takeover_and_exits_0() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "testproject.demo_run"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    out = run.stdout
+    assert run.returncode == 0, out[-6000:] + run.stderr[-3000:]
+    for line in (
+        "acquired report:42",
+        "resent: the reclaimer sent the expired job again, same task id",
+        "reclaimed report:42: takes over A's expired token 1",
+        "stale_write_rejected: its update of demo.Report is refused (current token 2)",
+        "stale_write_rejected: its FAILURE result is refused (current token 2)",
+        "body='built by B under token 2' built_by='B' fencing_token=2",
+    ):
+        assert line in out
+    assert "\nOK in " in out
