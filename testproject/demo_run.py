@@ -4,10 +4,11 @@ Run it with ``bash testproject/demo.sh``. It starts real ``celery worker`` proce
 the embedded default (SQLite and the filesystem broker: no server to start):
 
 1. Worker A takes the job ``report:42`` with token n and freezes (SIGSTOP) mid-job.
-2. A's lease expires by the database's clock. The job is sent again (a filesystem-broker
-   message is consumed only once, so the demo re-sends it, as a visibility-timeout
-   redelivery or the next beat tick would) and worker B reclaims the lease with token
-   n+1, writes the report and its result, and releases.
+2. A's lease expires by the database's clock. The reclaimer (``manage.py fenced reclaim``,
+   what the periodic task ``celery_fenced.reclaim`` runs) sends the expired, unfinished
+   job again with the same task id (a filesystem-broker message is never redelivered),
+   and worker B takes the lease over with token n+1, writes the report and the task's
+   result, and releases.
 3. A thaws (SIGCONT): its lease is gone, and its report write and its result write
    are refused. B's work stands, and the audit trail records every step.
 
@@ -18,6 +19,7 @@ serves the same database in Django's admin.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -133,7 +135,8 @@ class Timeline:
 
         for event in LeaseEvent.objects.filter(lease__key=KEY, id__gt=self.seen).order_by("id"):
             self.seen = event.pk
-            self.line(who(event.owner), event.token, describe(event.kind, event.detail))
+            by = "demo" if event.kind == "resent" else who(event.owner)  # the demo reclaims
+            self.line(by, event.token, describe(event.kind, event.detail))
 
     def wait(self, condition: Callable[[], T | None], timeout: float, what: str) -> T:
         """Poll ``condition`` (printing new events) until it is truthy, or fail."""
@@ -155,6 +158,9 @@ def describe(kind: str, detail: Any) -> str:
     if kind == "reclaimed":
         previous = f"{who(str(detail.get('previous_owner', '')))}'s"
         return f"reclaimed {KEY}: takes over {previous} expired token {detail['previous_token']}"
+    if kind == "resent":
+        attempt = f"attempt {detail.get('attempt', '?')} of {detail.get('max', '?')}"
+        return f"resent: the reclaimer sent the expired job again, same task id ({attempt})"
     if kind == "released":
         return f"released (task {detail.get('state', '?')})"
     if kind == "lost":
@@ -190,8 +196,26 @@ def lease_expired(token: int) -> bool:
     return lease.token == token and lease.released_at is None and lease.expires_at <= now
 
 
-def run(tmp: Path, workers: list[Worker]) -> tuple[int, str, str]:
-    """Play the example; return (token n, A's task id, B's task id)."""
+def reclaim_sent() -> bool:
+    """One sweep of the reclaimer; True once it sent an expired job again."""
+    from celery_fenced.reclaim import reclaim_expired
+    from testproject.celery import app
+
+    logging.getLogger("celery_fenced.reclaim").setLevel(logging.ERROR)  # the timeline tells
+    return any(outcome.action == "resent" for outcome in reclaim_expired(app))
+
+
+def result_refused(token: int) -> bool:
+    from celery_fenced.models import LeaseEvent
+
+    refused = LeaseEvent.objects.filter(
+        lease__key=KEY, kind="stale_write_rejected", token=token, detail__what__endswith="result"
+    )
+    return refused.exists()
+
+
+def run(tmp: Path, workers: list[Worker]) -> tuple[int, str]:
+    """Play the example; return (token n, the job's task id)."""
     from django.core.management import call_command
     from django_celery_results.models import TaskResult
 
@@ -226,15 +250,18 @@ def run(tmp: Path, workers: list[Worker]) -> tuple[int, str, str]:
     timeline.say(f"A's lease (ttl {ttl:g}s, unrenewed) has expired by the database's clock")
     timeline.wait(b.ready, 40, "worker B to start")
     timeline.say("worker B ready")
-    task_b = send()
-    timeline.say(f"re-sent the same job, as a redelivery would: task {task_b[:8]}")
-    done_b = timeline.wait(lambda: result(task_b), 30, "B to finish the job")
-    timeline.say(f"B's result stored: {done_b.status} {summary(done_b.result)}")
-    a.signal_group(signal.SIGCONT)
+    timeline.say("running the reclaimer (what `manage.py fenced reclaim` does) until it acts")
+    timeline.wait(reclaim_sent, 20, "the reclaimer to send A's job again")
+    done = timeline.wait(lambda: result(task_a), 30, "B to finish the job")
+    timeline.say(f"result of task {task_a[:8]} stored: {done.status} {summary(done.result)}")
     timeline.say(f"SIGCONT worker A: it wakes up and carries on under token {n}")
-    done_a = timeline.wait(lambda: result(task_a), 30, "A's outcome")
-    timeline.say(f"A's result stored: {done_a.status} {summary(done_a.result)}")
-    return n, task_a, task_b
+    a.signal_group(signal.SIGCONT)
+    timeline.wait(lambda: result_refused(n), 30, "A's result write to be refused")
+    timeline.poll_events()
+    row = result(task_a)
+    status = f"{row.status} {summary(row.result)}" if row else "none"
+    timeline.say(f"result of task {task_a[:8]} is still B's: {status}")
+    return n, task_a
 
 
 def show_rows(task_ids: Sequence[str]) -> None:
@@ -274,7 +301,7 @@ def show_rows(task_ids: Sequence[str]) -> None:
         print(f"           result={row.result}")
 
 
-def verify(n: int, task_a: str, task_b: str) -> list[str]:
+def verify(n: int, task_id: str) -> list[str]:
     """Every expected step; returns what did not happen."""
     from django_celery_results.models import TaskResult
 
@@ -283,14 +310,15 @@ def verify(n: int, task_a: str, task_b: str) -> list[str]:
 
     problems = []
     events = [
-        (e.kind, e.token, who(e.owner))
+        (e.kind, e.token, who(e.owner), e.task_id)
         for e in LeaseEvent.objects.filter(lease__key=KEY).order_by("id")
     ]
     expected = [
-        ("acquired", n, "A"),
-        ("reclaimed", n + 1, "B"),
-        ("released", n + 1, "B"),
-        ("stale_write_rejected", n, "A"),
+        ("acquired", n, "A", task_id),
+        ("resent", n, "A", task_id),
+        ("reclaimed", n + 1, "B", task_id),
+        ("released", n + 1, "B", task_id),
+        ("stale_write_rejected", n, "A", task_id),
     ]
     rest = iter(events)
     if not all(step in rest for step in expected):  # in this order, others may be between
@@ -310,18 +338,14 @@ def verify(n: int, task_a: str, task_b: str) -> list[str]:
     ]
     if not any("result" in what for what in refused) or all("result" in w for w in refused):
         problems.append(f"A's report write and result write were not both refused: {refused}")
-    outcomes = {
-        row.task_id: (row.status, json.loads(row.result or "null"))
-        for row in TaskResult.objects.filter(task_id__in=[task_a, task_b])
-    }
-    status_b, value_b = outcomes.get(task_b, ("missing", None))
-    token_b = value_b.get("token") if isinstance(value_b, dict) else None
-    if (status_b, token_b) != ("SUCCESS", n + 1):
-        problems.append(f"B's result is not SUCCESS under token {n + 1}: {status_b} {value_b}")
-    status_a, value_a = outcomes.get(task_a, ("missing", None))
-    exc_a = value_a.get("exc_type") if isinstance(value_a, dict) else None
-    if (status_a, exc_a) != ("FAILURE", "StaleToken"):
-        problems.append(f"A's result is not FAILURE StaleToken: {status_a} {value_a}")
+    row = TaskResult.objects.filter(task_id=task_id).first()
+    status, value = (row.status, json.loads(row.result or "null")) if row else ("missing", None)
+    token = value.get("token") if isinstance(value, dict) else None
+    worker = value.get("worker") if isinstance(value, dict) else None
+    if (status, token, worker) != ("SUCCESS", n + 1, "B"):
+        problems.append(
+            f"the task's result is not B's SUCCESS under token {n + 1}: {status} {value}"
+        )
     return problems
 
 
@@ -338,9 +362,9 @@ def demo() -> int:
     workers: list[Worker] = []
     problems: list[str] = []
     try:
-        n, task_a, task_b = run(tmp, workers)
-        show_rows([task_a, task_b])
-        problems = verify(n, task_a, task_b)
+        n, task_id = run(tmp, workers)
+        show_rows([task_id])
+        problems = verify(n, task_id)
     except DemoFailed as exc:
         problems = [str(exc)]
     except Exception as exc:  # e.g. the database: report it like a missed step
@@ -356,9 +380,10 @@ def demo() -> int:
         return 1
     shutil.rmtree(tmp, ignore_errors=True)
     print(
-        f"\nOK in {time.monotonic() - started:.1f}s: A took token {n} and stalled; B reclaimed"
-        f" with token {n + 1} and wrote the report; A's late report write and result write"
-        " were refused and recorded."
+        f"\nOK in {time.monotonic() - started:.1f}s: A took token {n} and stalled; the"
+        f" reclaimer sent the job again and B took it over with token {n + 1} and wrote the"
+        " report and the result; A's late report write and result write were refused and"
+        " recorded."
     )
     print(
         "\nSee it in Django's admin (creates superuser admin/admin on the demo database):\n"

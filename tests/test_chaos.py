@@ -30,9 +30,6 @@ KNOWN = {
     chaos.RETRY_DROPPED: "celery_fenced.task._completed_before treats a FAILURE stored after "
     "the task had already sent its retry (the RETRY state could not be written while "
     "PostgreSQL restarted) as a completed job, so the retry is skipped as a duplicate",
-    chaos.DB_ERROR_BEFORE_GRANT: "a database error in FencedExecution.__call__ before the "
-    "grant (_completed_before, acquire) fails the job for good: autoretry_for wraps only "
-    "run(), and the reclaimer never sees a job without a grant",
     # not the package's: kombu's Redis transport, under SIGKILL
     chaos.LOST_IN_BROKER: "not celery-fenced: kombu's Redis transport lost a message (a "
     "worker was SIGKILLed between its BRPOP and recording the message as unacknowledged; "

@@ -37,7 +37,9 @@ def rebuild_report(self: Any, report_id: int, seconds: float = 0.0) -> dict[str,
     return _rebuild(self, report_id, seconds)
 
 
-@shared_task(bind=True, base=FencedTask, lease_key="report:{report_id}", lease_ttl=2)
+@shared_task(
+    bind=True, base=FencedTask, lease_key="report:{report_id}", lease_ttl=2, lease_reclaim=True
+)
 def rebuild_report_short(self: Any, report_id: int, seconds: float = 0.0) -> dict[str, Any]:
     """``rebuild_report`` with a 2-second lease: the tests pause workers past it."""
     return _rebuild(self, report_id, seconds)
