@@ -70,6 +70,17 @@ def fence_configured_tasks(app: Any) -> list[str]:
     return fenced
 
 
+def validate_fenced_tasks(app: Any) -> None:
+    """Merge every fenced task's options over the settings now, so a mismatch (say a
+    global ``fenced_renew_interval`` not shorter than one task's ``lease_ttl``) stops the
+    worker at start, naming the task, instead of failing each execution."""
+    from celery_fenced.task import FencedExecution
+
+    for task in list(app.tasks.values()):
+        if isinstance(task, FencedExecution):
+            task.fenced_options()
+
+
 def _matches(pattern: str, name: str) -> bool:
     import fnmatch
 
@@ -111,6 +122,7 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         )
     try:
         names = fence_configured_tasks(app)
+        validate_fenced_tasks(app)
     except FencedError as exc:
         _stop(str(exc))
     if names:

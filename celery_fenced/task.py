@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, states
 from celery.exceptions import Ignore, Reject
@@ -18,6 +19,8 @@ from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy, LeaseL
 logger = logging.getLogger(__name__)
 
 FINAL_STATES = (states.SUCCESS, states.FAILURE)
+#: retries of a busy key, a lost grant or a database error are not limited
+UNLIMITED_RETRIES = sys.maxsize
 
 
 class FencedExecution:
@@ -109,6 +112,8 @@ class FencedExecution:
             raise
         finally:
             context._current.reset(marker)
+            if request.called_directly:  # task(...) outside a tracer: nobody else releases
+                self._fenced_release("")
 
     def _take_lease(
         self,
@@ -159,8 +164,7 @@ class FencedExecution:
             exc,
             countdown,
         )
-        retry = self.retry  # type: ignore[attr-defined]
-        raise retry(exc=exc, countdown=countdown, max_retries=None)
+        self._retry_unlimited(exc, countdown)
 
     def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
         """The body learned its grant is gone.
@@ -187,8 +191,7 @@ class FencedExecution:
             renewer().unregister(lease)
             lease.released = True
             self.request._fenced_lease = None  # the RETRY state is written untokened
-            retry = self.retry  # type: ignore[attr-defined]
-            raise retry(exc=exc, countdown=0, max_retries=None)
+            self._retry_unlimited(exc, 0)
         raise exc
 
     def _on_busy(self, busy: LeaseBusy, policy: str) -> Any:
@@ -198,8 +201,25 @@ class FencedExecution:
         if policy == "skip":
             raise Ignore()
         countdown = max(busy.remaining, 0.05)
+        self._retry_unlimited(busy, countdown)
+
+    def _retry_unlimited(self, exc: Exception, countdown: float) -> NoReturn:
+        """Send the job again in ``countdown`` seconds, whatever the task's ``max_retries``.
+
+        A wait for the key, a lost grant or a database error is not the task failing, so
+        the task's ``max_retries`` does not end it (Celery still counts these retries in
+        ``request.retries``). To Celery ``max_retries=None`` means the task's own limit
+        (3 by default), and a number passed is kept on the task object as
+        ``override_max_retries``, which Celery's autoretry would reuse: it is removed.
+        Eager runs (``task_always_eager``) keep the task's limit.
+        """
         retry = self.retry  # type: ignore[attr-defined]
-        raise retry(exc=busy, countdown=countdown, max_retries=None)
+        # an eager retry runs at once, recursively: there it keeps the task's own limit
+        limit = None if getattr(self.request, "is_eager", False) else UNLIMITED_RETRIES
+        try:
+            raise retry(exc=exc, countdown=countdown, max_retries=limit)
+        finally:
+            self.__dict__.pop("override_max_retries", None)
 
     def _fenced_release(self, state: str) -> None:
         from celery_fenced.renewal import renewer

@@ -267,7 +267,9 @@ def lease_db(alias: str, settings: Any) -> Iterator[str]:
 def run_as_worker(task: Any, args: tuple[Any, ...], **request: Any) -> Any:
     """Run ``task`` as the worker's tracer does: push the request, call, ``after_return``."""
     task_id = "bad-input-task"
-    task.push_request(id=task_id, args=args, kwargs={}, hostname="w@h", **request)
+    task.push_request(
+        id=task_id, args=args, kwargs={}, hostname="w@h", called_directly=False, **request
+    )
     try:
         try:
             result = task(*args)

@@ -110,3 +110,18 @@ def test_on_worker_init__refuses_green_pools(
     with pytest.raises(SystemExit):
         on_worker_init(sender=worker)
     assert f"the {pool} pool is not supported" in capsys.readouterr().err
+
+
+def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_interval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from types import SimpleNamespace
+
+    from celery_fenced.hooks import on_worker_init
+
+    app = fresh_app(fenced_renew_interval=45)  # mod.build has lease_ttl=30
+    with pytest.raises(SystemExit):
+        on_worker_init(sender=SimpleNamespace(app=app, pool_cls="prefork"))
+    err = capsys.readouterr().err
+    assert "task 'mod.build'" in err
+    assert "must be shorter than the lease ttl" in err
