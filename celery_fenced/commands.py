@@ -253,7 +253,8 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
 # -- prune -----------------------------------------------------------------------------
 @subcommand(
     "prune",
-    "Delete events older than DAYS, in batches. Lease rows (and so tokens) are kept.",
+    "Delete events older than DAYS, in batches. Lease rows (and so tokens) are kept. "
+    "Completed-duplicate detection reaches back only as far as events are kept.",
     Arg(
         "--older-than", "Age in days, by the DB clock.", type=float, required=True, metavar="DAYS"
     ),

@@ -45,6 +45,22 @@ class Holder:
 
 
 @dataclass(frozen=True)
+class Completed:
+    """The grant was refused: this task id already completed (a duplicate delivery)."""
+
+    task_id: str
+    retries: int
+
+
+#: the states of a ``released`` event that mark its task id completed (and as SQL)
+COMPLETED_STATES = ("SUCCESS", "FAILURE")
+COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE')"
+#: the retry count assumed for a ``released`` event recorded without one (before it was
+#: recorded): any delivery of that task id counts as a duplicate, as it did then
+UNRECORDED_RETRIES = 2147483647
+
+
+@dataclass(frozen=True)
 class Claim:
     """An expired, unfinished grant claimed by one reclaimer (or abandoned by it)."""
 
@@ -99,8 +115,16 @@ class Dialect:
         task_id: str,
         task_name: str,
         job: str | None = None,
-    ) -> Grant | Holder:
+        retries: int | None = None,
+    ) -> Grant | Holder | Completed:
+        """Grant ``key``, or tell who holds it.
+
+        With a ``task_id`` and the delivery's ``retries``, a task id that already
+        completed (see :meth:`completed`) is not granted: :class:`Completed`.
+        """
         with transaction.atomic(using=self.alias):
+            if task_id and retries is not None and self.completed(task_id, retries):
+                return Completed(task_id, retries)
             manager = Lease._default_manager.using(self.alias)
             now = self.now()
             expires = now + dt.timedelta(seconds=ttl)
@@ -218,7 +242,15 @@ class Dialect:
         return renewed
 
     # -- release ---------------------------------------------------------------------
-    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
+    def release(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> bool:
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
@@ -230,7 +262,7 @@ class Dialect:
             if row is None:
                 return False
             manager.filter(pk=row.pk).update(released_at=now, job=None)
-            self._event(row.pk, "released", token, task_id, owner, now, _state(state))
+            self._event(row.pk, "released", token, task_id, owner, now, _state(state, retries))
             return True
 
     def force_release(
@@ -375,6 +407,24 @@ class Dialect:
             claim.lease_id, "resent", claim.token, claim.task_id, claim.owner, None, detail
         )
 
+    # -- completed duplicates ----------------------------------------------------------
+    def completed(self, task_id: str, retries: int) -> bool:
+        """Whether ``task_id`` completed in a delivery retried at least ``retries`` times.
+
+        Completed: released as SUCCESS or FAILURE under its lease. A delivery whose
+        ``retries`` is above the completed one's is a retry sent before that execution
+        ended (it asked to be retried, then failed): it is not a duplicate. Reaches back
+        as far as ``released`` events are kept (``prune``).
+        """
+        return (
+            LeaseEvent._default_manager.using(self.alias)
+            .filter(
+                task_id=task_id, kind=LeaseEvent.Kind.RELEASED, detail__state__in=COMPLETED_STATES
+            )
+            .filter(Q(detail__retries__gte=retries) | Q(detail__retries__isnull=True))
+            .exists()
+        )
+
     # -- fencing ---------------------------------------------------------------------
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
         """Lock the lease row and tell whether ``token`` is its current, unexpired grant.
@@ -394,6 +444,40 @@ class Dialect:
             return False, None
         current, released_at, expires_at = row
         return (current == token and released_at is None and expires_at > now), current
+
+    def release_current(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> tuple[bool, int | None]:
+        """Prove ``token`` current and end its grant, in one step; ``(ok, current_token)``.
+
+        The rule of :meth:`prove_current` (the key's token, not released, not expired by
+        the database's clock). When it holds, the grant is released and its ``released``
+        event recorded, and the lease row stays locked until the caller's transaction
+        ends: a write that fails after it rolls the release back too. Must run inside a
+        transaction. The result write of a final state opens with it.
+        """
+        now = self.now()
+        manager = Lease._default_manager.using(self.alias)
+        row = (
+            manager.select_for_update()
+            .filter(key=key)
+            .values_list("pk", "token", "released_at", "expires_at")
+            .first()
+        )
+        if row is None:
+            return False, None
+        lease_id, current, released_at, expires_at = row
+        if current != token or released_at is not None or expires_at <= now:
+            return False, current
+        manager.filter(pk=lease_id).update(released_at=now, job=None)
+        self._event(lease_id, "released", token, task_id, owner, now, _state(state, retries))
+        return True, current
 
     def record_event(
         self,
@@ -441,16 +525,27 @@ class SQLDialect(Dialect):
     def now(self) -> dt.datetime:
         return _aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
 
-    def _upsert(self) -> str:
+    def _upsert(self, unless_completed: bool = False) -> str:
+        """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
+
+        Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
+        then the task id and the delivery's retries: no row is proposed (so none is
+        granted) when :meth:`completed` holds, in the same statement.
+        """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
         same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
+        values = f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL"
+        proposed = (
+            f"SELECT {values} WHERE NOT EXISTS ({self._completed_sql()})"
+            if unless_completed
+            else f"VALUES ({values})"
+        )
         return f"""
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
                                       renewed_at, expires_at, released_at, reclaimed_from,
                                       job, reclaim_attempts, reclaim_state, reclaim_claimed_at)
-            VALUES (%s, 1, %s, %s, %s, {now}, {now}, {self.expiry("%s")}, NULL, '',
-                    %s, 0, '', NULL)
+            {proposed}
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
                 task_name = excluded.task_name, acquired_at = excluded.acquired_at,
@@ -463,6 +558,40 @@ class SQLDialect(Dialect):
                 reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
             WHERE l.released_at IS NOT NULL OR l.expires_at <= {now}
             RETURNING id, token, expires_at, reclaimed_from"""
+
+    def _completed_sql(self) -> str:
+        """The ``released`` events that make task id ``%s`` at retries ``%s`` a duplicate."""
+        return f"""SELECT 1 FROM {EVENT} e
+                   WHERE e.task_id = %s AND e.kind = 'released'
+                     AND {self.json_text("e.detail", "state")} IN {COMPLETED_STATES_SQL}
+                     AND COALESCE({self.json_int("e.detail", "retries")},
+                                  {UNRECORDED_RETRIES}) >= %s"""
+
+    def json_text(self, column: str, name: str) -> str:
+        raise NotImplementedError
+
+    def json_int(self, column: str, name: str) -> str:
+        raise NotImplementedError
+
+    def completed(self, task_id: str, retries: int) -> bool:
+        return bool(self._fetch(self._completed_sql(), [task_id, retries]))
+
+    def _grant_params(
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None,
+        retries: int | None,
+    ) -> tuple[bool, list[Any]]:
+        """Whether the grant checks for a completed duplicate, and its parameters."""
+        params = [key, owner, task_id, task_name, self.ttl_param(ttl), job]
+        unless_completed = bool(task_id) and retries is not None
+        if unless_completed:
+            params += [task_id, retries]
+        return unless_completed, params
 
     def _busy_select(self) -> str:
         return f"""
@@ -564,12 +693,23 @@ class SQLDialect(Dialect):
         )
         return bool(rows)
 
+    def _current_token(self, key: str) -> int | None:
+        """The key's current (or last) token, for the report of a refused write."""
+        rows = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
+        return rows[0][0] if rows else None
+
 
 class PostgreSQL(SQLDialect):
     """One statement per operation: the state change and its event in one CTE."""
 
     NOW = "statement_timestamp()"
     JSON = "%s::jsonb"
+
+    def json_text(self, column: str, name: str) -> str:
+        return f"({column} ->> '{name}')"
+
+    def json_int(self, column: str, name: str) -> str:
+        return f"({column} ->> '{name}')::bigint"
 
     def expiry(self, ttl_sql: str) -> str:
         return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
@@ -615,9 +755,14 @@ class PostgreSQL(SQLDialect):
         task_id: str,
         task_name: str,
         job: str | None = None,
-    ) -> Grant | Holder:
+        retries: int | None = None,
+    ) -> Grant | Holder | Completed:
+        unless_completed, params = self._grant_params(
+            key, ttl, owner, task_id, task_name, job, retries
+        )
+        grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
         rows = self._fetch(
-            f"""WITH granted AS ({self._upsert()}),
+            f"""WITH granted AS ({grant}),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, CASE WHEN reclaimed_from = '' THEN 'acquired' ELSE 'reclaimed' END,
@@ -627,11 +772,14 @@ class PostgreSQL(SQLDialect):
                                               'previous_token', token - 1) END
                     FROM granted)
                 SELECT id, token, expires_at, reclaimed_from FROM granted""",
-            [key, owner, task_id, task_name, ttl, job, task_id, owner],
+            [*params, task_id, owner],
         )
         if rows:
             lease_id, token, expires_at, reclaimed_from = rows[0]
             return Grant(lease_id, token, _aware(expires_at), reclaimed_from)
+        # not granted (rare): a completed duplicate, or the key is held
+        if unless_completed and retries is not None and self.completed(task_id, retries):
+            return Completed(task_id, retries)
         rows = self._fetch(
             f"""WITH holder AS ({self._busy_select()}),
                 ev AS (
@@ -644,7 +792,15 @@ class PostgreSQL(SQLDialect):
         )
         return _holder(rows)
 
-    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
+    def release(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> bool:
         rows = self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
@@ -655,7 +811,7 @@ class PostgreSQL(SQLDialect):
                     SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
                     FROM r)
                 SELECT token FROM r""",
-            [key, token, owner, task_id, owner, json.dumps(_state(state))],
+            [key, token, owner, task_id, owner, json.dumps(_state(state, retries))],
         )
         return bool(rows)
 
@@ -689,6 +845,33 @@ class PostgreSQL(SQLDialect):
         current, live = rows[0]
         return (current == token and bool(live)), current
 
+    def release_current(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> tuple[bool, int | None]:
+        """One conditional ``UPDATE`` (it locks the row) with its event: proof and release."""
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                    WHERE key = %s AND token = %s AND released_at IS NULL
+                      AND expires_at > statement_timestamp()
+                    RETURNING id, token),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
+                    FROM r)
+                SELECT token FROM r""",
+            [key, token, task_id, owner, json.dumps(_state(state, retries))],
+        )
+        if rows:
+            return True, token
+        return False, self._current_token(key)
+
 
 class SQLite(SQLDialect):
     """SQLite: the upsert is one statement; its event joins it in one transaction.
@@ -699,6 +882,12 @@ class SQLite(SQLDialect):
 
     NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
     JSON = "%s"
+
+    def json_text(self, column: str, name: str) -> str:
+        return f"json_extract({column}, '$.{name}')"
+
+    def json_int(self, column: str, name: str) -> str:
+        return f"json_extract({column}, '$.{name}')"
 
     def expiry(self, ttl_sql: str) -> str:
         return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
@@ -742,11 +931,14 @@ class SQLite(SQLDialect):
         task_id: str,
         task_name: str,
         job: str | None = None,
-    ) -> Grant | Holder:
+        retries: int | None = None,
+    ) -> Grant | Holder | Completed:
+        unless_completed, params = self._grant_params(
+            key, ttl, owner, task_id, task_name, job, retries
+        )
         with transaction.atomic(using=self.alias):
-            rows = self._fetch(
-                self._upsert(), [key, owner, task_id, task_name, self.ttl_param(ttl), job]
-            )
+            grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
+            rows = self._fetch(grant, params)
             if rows:
                 lease_id, token, expires_at, reclaimed_from = rows[0]
                 if reclaimed_from:
@@ -756,6 +948,8 @@ class SQLite(SQLDialect):
                     kind, detail = "acquired", {}
                 self._insert_event(lease_id, kind, token, task_id, owner, detail)
                 return Grant(lease_id, token, _aware(expires_at), reclaimed_from)
+            if unless_completed and retries is not None and self.completed(task_id, retries):
+                return Completed(task_id, retries)
             rows = self._fetch(self._busy_select(), [key])
             if rows:
                 self._insert_event(
@@ -778,7 +972,15 @@ class SQLite(SQLDialect):
             [lease_id, kind, token, task_id, owner, json.dumps(detail)],
         )
 
-    def release(self, key: str, token: int, owner: str, task_id: str, state: str = "") -> bool:
+    def release(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> bool:
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
                 f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
@@ -787,7 +989,8 @@ class SQLite(SQLDialect):
                 [key, token, owner],
             )
             if rows:
-                self._insert_event(rows[0][0], "released", token, task_id, owner, _state(state))
+                detail = _state(state, retries)
+                self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
             return bool(rows)
 
     def force_release(
@@ -819,8 +1022,30 @@ class SQLite(SQLDialect):
         )
         if rows:
             return True, token
-        current = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
-        return False, (current[0][0] if current else None)
+        return False, self._current_token(key)
+
+    def release_current(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> tuple[bool, int | None]:
+        """One conditional ``UPDATE`` (it takes the write lock), then its event."""
+        rows = self._fetch(
+            f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                WHERE key = %s AND token = %s AND released_at IS NULL
+                  AND expires_at > {self.NOW}
+                RETURNING id""",
+            [key, token],
+        )
+        if not rows:
+            return False, self._current_token(key)
+        detail = _state(state, retries)
+        self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
+        return True, token
 
 
 TOO_MANY = "the job expired unfinished after the maximum number of re-sends"
@@ -835,8 +1060,16 @@ def _abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
     }
 
 
-def _state(state: str) -> dict[str, Any]:
-    return {"state": state} if state else {}
+def _state(state: str, retries: int | None = None) -> dict[str, Any]:
+    """The detail of a ``released`` event: the final state and the delivery's retry count.
+
+    ``retries`` (``request.retries`` of the execution) is what the completed-duplicate
+    check compares a later delivery of the same task id with.
+    """
+    detail: dict[str, Any] = {"state": state} if state else {}
+    if retries is not None:
+        detail["retries"] = retries
+    return detail
 
 
 def _holder(rows: Sequence[Sequence[Any]]) -> Holder:
@@ -859,4 +1092,4 @@ def for_alias(alias: str, *, portable: bool = False) -> Dialect:
     return Dialect(alias)
 
 
-__all__ = ["Claim", "Dialect", "Grant", "Holder", "Renewal", "for_alias"]
+__all__ = ["Claim", "Completed", "Dialect", "Grant", "Holder", "Renewal", "for_alias"]

@@ -75,5 +75,25 @@ class StaleToken(FencedError):
         return (StaleToken, (self.key, self.token, self.current))
 
 
+class AlreadyCompleted(FencedError):
+    """The task id already completed under its lease: this delivery is a duplicate.
+
+    Raised by :func:`celery_fenced.store.acquire` when given a task id and the delivery's
+    retry count; a fenced task drops such a message with a ``duplicate`` event.
+    """
+
+    def __init__(self, key: str, task_id: str, retries: int) -> None:
+        self.key = key
+        self.task_id = task_id
+        self.retries = retries
+        super().__init__(
+            f"task {task_id} already completed under lease {key!r} "
+            f"(this delivery: {retries} retries)"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (AlreadyCompleted, (self.key, self.task_id, self.retries))
+
+
 class FencedConfigurationError(FencedError, ImproperlyConfigured):
     """celery-fenced is misconfigured."""

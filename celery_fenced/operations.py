@@ -161,6 +161,11 @@ def prune_events(
     large trail is pruned without a long lock. The age is measured by the database's
     clock. Lease rows are never deleted: a key keeps its token, and its next grant still
     gets a higher one. ``progress(deleted, total)`` is called after every batch.
+
+    The completed-duplicate check of fenced tasks reads the ``released`` events, so it
+    reaches back only as far as events are kept: a message redelivered after its task's
+    events were pruned runs again. Keep events longer than any message can come back
+    (visibility timeout, reclaimer re-sends, retry countdowns).
     """
     if not older_than_days > 0:
         raise ValueError(f"older_than_days must be greater than 0, got {older_than_days!r}")

@@ -25,7 +25,13 @@ from django.db import router, transaction
 
 from celery_fenced import conf, dialects, signals
 from celery_fenced.context import _guards
-from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
+from celery_fenced.exceptions import (
+    AlreadyCompleted,
+    FencedError,
+    LeaseBusy,
+    LeaseLost,
+    StaleToken,
+)
 from celery_fenced.models import KEY_MAX_LENGTH, OWNER_MAX_LENGTH, Lease
 from celery_fenced.schema import tables_required
 
@@ -93,6 +99,7 @@ class HeldLease:
         task_id: str = "",
         reclaimed_from: str = "",
         renew_interval: float | None = None,
+        retries: int | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -102,6 +109,8 @@ class HeldLease:
         self.alias = alias
         self.task_id = task_id
         self.reclaimed_from = reclaimed_from
+        #: the retry count of the task delivery this grant is for (recorded at release)
+        self.retries = retries
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
         self._lost_reason: str | None = None
@@ -156,7 +165,7 @@ class HeldLease:
         if self.released:
             return True
         ok = dialects.for_alias(self.alias).release(
-            self.key, self.token, self.owner, self.task_id, state
+            self.key, self.token, self.owner, self.task_id, state, self.retries
         )
         self.released = True
         if ok:
@@ -252,6 +261,7 @@ def acquire(
     using: str | None = None,
     renew_interval: float | None = None,
     job: str | None = None,
+    retries: int | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -259,6 +269,12 @@ def acquire(
     (by the database's clock) and issues the next fencing token. ``job`` (the encoded
     job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
     statement, so the reclaimer can send it again if the grant expires unfinished.
+
+    ``retries`` (with ``task_id``: the retry count of the task delivery) makes the same
+    statement refuse a task id that already completed under its lease in a delivery
+    retried at least as often, raising :class:`~celery_fenced.exceptions.AlreadyCompleted`
+    (see :meth:`celery_fenced.dialects.Dialect.completed`); it is recorded on the
+    ``released`` event of this grant.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
@@ -266,7 +282,11 @@ def acquire(
     alias = database_alias(using)
     sent = time.monotonic()
     with tables_required(alias):
-        outcome = dialects.for_alias(alias).acquire(key, seconds, owner, task_id, task_name, job)
+        outcome = dialects.for_alias(alias).acquire(
+            key, seconds, owner, task_id, task_name, job, retries
+        )
+    if isinstance(outcome, dialects.Completed):
+        raise AlreadyCompleted(key, task_id, outcome.retries)
     if isinstance(outcome, dialects.Holder):
         raise LeaseBusy(
             key,
@@ -285,6 +305,7 @@ def acquire(
         task_id=task_id,
         reclaimed_from=outcome.reclaimed_from,
         renew_interval=renew_interval,
+        retries=retries,
     )
     lease._confirmed_at = sent
     signals.lease_acquired.send(

@@ -14,11 +14,16 @@ from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 
 from celery_fenced import conf, context, keys
-from celery_fenced.exceptions import FencedConfigurationError, LeaseBusy, LeaseLost, StaleToken
+from celery_fenced.exceptions import (
+    AlreadyCompleted,
+    FencedConfigurationError,
+    LeaseBusy,
+    LeaseLost,
+    StaleToken,
+)
 
 logger = logging.getLogger(__name__)
 
-FINAL_STATES = (states.SUCCESS, states.FAILURE)
 #: retries of a busy key, a lost grant or a database error are not limited
 UNLIMITED_RETRIES = sys.maxsize
 
@@ -124,30 +129,43 @@ class FencedExecution:
         args: Any,
         kwargs: Any,
     ) -> Any:
-        """Skip a completed duplicate, else grant this execution the key (or LeaseBusy)."""
+        """Grant this execution the key (or LeaseBusy); skip a completed duplicate.
+
+        The grant statement itself refuses a task id that already completed under its
+        lease in a delivery retried at least as often as this one (a redelivered message);
+        a retry sent before that execution ended (``retries`` above it) still runs.
+        """
         from celery_fenced import dialects, reclaim, store
 
         request = self.request
-        if task_id and _completed_before(alias, task_id):
+        retries = int(getattr(request, "retries", 0) or 0)
+        # what the reclaimer needs to send the job again, written by the grant itself
+        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
+        try:
+            return store.acquire(
+                key,
+                ttl=options.ttl,
+                owner=_owner(request),
+                task_id=task_id,
+                task_name=self.name,
+                using=alias,
+                renew_interval=options.renew_interval,
+                job=job,
+                retries=retries if task_id else None,
+            )
+        except AlreadyCompleted:
             dialects.for_alias(alias).record_event(
-                key, "duplicate", None, task_id, _owner(request), {"task": self.name}
+                key,
+                "duplicate",
+                None,
+                task_id,
+                _owner(request),
+                {"task": self.name, "retries": retries},
             )
             logger.info(
                 "task %s[%s] already completed under its lease: not run again", self.name, task_id
             )
-            raise Ignore()
-        # what the reclaimer needs to send the job again, written by the grant itself
-        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
-        return store.acquire(
-            key,
-            ttl=options.ttl,
-            owner=_owner(request),
-            task_id=task_id,
-            task_name=self.name,
-            using=alias,
-            renew_interval=options.renew_interval,
-            job=job,
-        )
+            raise Ignore() from None
 
     def _on_database_error(self, exc: Exception) -> Any:
         """The database failed before the grant: try the job again later, not never.
@@ -314,13 +332,3 @@ def _without_self(func: Any) -> Any:
 def _owner(request: Any) -> str:
     host = getattr(request, "hostname", None) or "local"
     return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]
-
-
-def _completed_before(alias: str, task_id: str) -> bool:
-    from celery_fenced.models import LeaseEvent
-
-    return (
-        LeaseEvent._default_manager.using(alias)
-        .filter(task_id=task_id, kind=LeaseEvent.Kind.RELEASED, detail__state__in=FINAL_STATES)
-        .exists()
-    )

@@ -470,9 +470,10 @@ class Runner:
 
 
 # -- the checker -----------------------------------------------------------------------
-#: causes the checker gives a job that ended without its effect through a known package bug
-#: (see docs/reliability.md, known issues): its retry was dropped as a duplicate; or a
-#: database error before its grant failed it for good
+#: causes the checker gives a job that ended without its effect through a package bug, now
+#: fixed, named so that a regression is recognised: its retry was dropped as a duplicate
+#: (fixed: the duplicate check compares retry counts); or a database error before its
+#: grant failed it for good
 RETRY_DROPPED = "retry-dropped"
 DB_ERROR_BEFORE_GRANT = "db-error-before-grant"
 #: ... and a job lost by the broker, outside the package: no worker ever logged receiving

@@ -27,9 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: the bugs behind the checker's known causes (docs/reliability.md, known issues)
 KNOWN = {
-    chaos.RETRY_DROPPED: "celery_fenced.task._completed_before treats a FAILURE stored after "
-    "the task had already sent its retry (the RETRY state could not be written while "
-    "PostgreSQL restarted) as a completed job, so the retry is skipped as a duplicate",
     # not the package's: kombu's Redis transport, under SIGKILL
     chaos.LOST_IN_BROKER: "not celery-fenced: kombu's Redis transport lost a message (a "
     "worker was SIGKILLed between its BRPOP and recording the message as unacknowledged; "

@@ -154,13 +154,6 @@ def test_postgres_down_past_the_ttl__holders_lose_and_every_job_completes_once(
 
 
 @pytest.mark.parametrize("alias", ["postgres"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="celery_fenced.task._completed_before counts any final release of the task id as "
-    "completion, so a retry sent before the execution ended as FAILURE is skipped as a "
-    "duplicate; fix: record request.retries in the release event and skip only a message "
-    "whose retries are not above the completed execution's",
-)
 def test_retry_sent_before_a_failure__still_runs(alias: str, start_worker: Any) -> None:
     """The mechanism by which a PostgreSQL restart loses a job that asked to be retried."""
     start_worker("a", env={"FENCED_CHAOS_TTL": str(TTL)}, extra_args=INCLUDE)

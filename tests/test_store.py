@@ -288,3 +288,185 @@ def test_statements__sqlite_state_change_and_event_in_one_transaction() -> None:
     with CaptureQueriesContext(connection) as queries:
         lease.renew()
     assert len(data_statements(queries)) == 1
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_release_current__proves_and_releases_in_the_callers_transaction(
+    alias: str, portable: bool
+) -> None:
+    from django.db import transaction
+
+    dialect = for_alias(alias, portable=portable)
+    granted = dialect.acquire("k", 30, "a", "t1", "task")
+    assert getattr(granted, "token", None) == 1
+
+    # a failure after it (the result write) rolls the release and its event back
+    def failing_write() -> None:
+        with transaction.atomic(using=alias):
+            assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", 0) == (True, 1)
+            raise RuntimeError("the result write failed")
+
+    with pytest.raises(RuntimeError):
+        failing_write()
+    assert Lease.objects.using(alias).get(key="k").released_at is None
+    assert kinds(alias, "k") == [("acquired", 1)]
+    with transaction.atomic(using=alias):
+        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", 2) == (True, 1)
+    row = Lease.objects.using(alias).get(key="k")
+    assert (row.released_at is not None, row.job) == (True, None)
+    event = LeaseEvent.objects.using(alias).get(lease__key="k", kind="released")
+    assert (event.token, event.task_id, event.owner) == (1, "t1", "a")
+    assert event.detail == {"state": "SUCCESS", "retries": 2}
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("case", ["released", "expired", "superseded", "unknown key"])
+def test_release_current__refuses_what_prove_current_refuses(
+    alias: str, portable: bool, case: str
+) -> None:
+    """Same rule as prove_current (by the database's clock); nothing is changed."""
+    from django.db import transaction
+
+    dialect = for_alias(alias, portable=portable)
+    dialect.acquire("k", 30, "a", "t1", "task")
+    token, current = 1, 1
+    if case == "released":
+        dialect.release("k", 1, "a", "t1")
+    elif case == "expired":
+        expire(alias, "k")
+    elif case == "superseded":
+        expire(alias, "k")
+        dialect.acquire("k", 30, "b", "t2", "task")
+        current = 2
+    else:
+        token = 1
+    key = "nosuch" if case == "unknown key" else "k"
+    before = list(Lease.objects.using(alias).values().order_by("id"))
+    events = kinds(alias, "k")
+    with transaction.atomic(using=alias):
+        assert dialect.prove_current(key, token) == (False, None if key == "nosuch" else current)
+        refused = dialect.release_current(key, token, "a", "t1", "SUCCESS", 0)
+    assert refused == (False, None if key == "nosuch" else current)
+    assert list(Lease.objects.using(alias).values().order_by("id")) == before
+    assert kinds(alias, "k") == events
+
+
+def test_release_current__no_newer_grant_before_the_commit(alias: str) -> None:
+    """R3: the proof's lock holds until the result transaction ends."""
+    import threading
+
+    from django.db import transaction
+
+    dialect = for_alias(alias)
+    dialect.acquire("k", 30, "a", "t1", "task")
+    outcome: list[Any] = []
+
+    def take_over() -> None:
+        try:
+            outcome.append(acquire("k", ttl=30, owner="b", using=alias).token)
+        finally:
+            connections[alias].close()
+
+    with transaction.atomic(using=alias):
+        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS") == (True, 1)
+        other = threading.Thread(target=take_over)
+        other.start()
+        other.join(timeout=0.5)
+        assert other.is_alive()  # waiting for the lease row
+        assert not outcome
+    other.join(timeout=30)
+    assert outcome == [2]
+
+
+def completion(alias: str, task_id: str, state: str, retries: int | None) -> None:
+    """Grant ``task_id`` a key of its own and release it as ``state`` at ``retries``."""
+    from django.db import transaction
+
+    dialect = for_alias(alias)
+    key = f"done:{task_id}:{state}:{retries}"
+    dialect.acquire(key, 30, "w", task_id, "task")
+    with transaction.atomic(using=alias):
+        assert dialect.release_current(key, 1, "w", task_id, state, retries)[0]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize(
+    ("state", "completed_at", "delivery", "duplicate"),
+    [
+        ("SUCCESS", 0, 0, True),  # a redelivered message
+        ("SUCCESS", 2, 1, True),  # an older message of the same task id
+        ("FAILURE", 1, 1, True),
+        ("FAILURE", 0, 1, False),  # a retry sent before the execution failed
+        ("RETRY", 0, 0, False),  # not completed: the retry runs
+        ("REVOKED", 0, 0, False),
+        ("SUCCESS", None, 5, True),  # an event recorded before retries were: as before
+    ],
+)
+def test_acquire__completed_task_id_is_not_granted_in_the_same_statement(
+    alias: str,
+    portable: bool,
+    state: str,
+    completed_at: int | None,
+    delivery: int,
+    duplicate: bool,
+) -> None:
+    from celery_fenced.dialects import Completed, Grant
+
+    completion(alias, "t1", state, completed_at)
+    completion(alias, "other", "SUCCESS", 9)  # another task id's completion changes nothing
+    dialect = for_alias(alias, portable=portable)
+    before = kinds(alias, "job")
+    outcome = dialect.acquire("job", 30, "a", "t1", "task", None, delivery)
+    if duplicate:
+        assert outcome == Completed("t1", delivery)
+        assert not Lease.objects.using(alias).filter(key="job").exists()
+        assert kinds(alias, "job") == before == []
+    else:
+        assert isinstance(outcome, Grant)
+        assert kinds(alias, "job") == [("acquired", 1)]
+    # without the delivery's retries (or without a task id) nothing is checked
+    assert isinstance(dialect.acquire("free1", 30, "a", "t1", "task"), Grant)
+    assert isinstance(dialect.acquire("free2", 30, "a", "", "task", None, 0), Grant)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_acquire__completed_duplicate_of_a_held_key_is_a_duplicate_not_busy(
+    alias: str, portable: bool
+) -> None:
+    from celery_fenced.dialects import Completed, Holder
+
+    completion(alias, "t1", "SUCCESS", 0)
+    dialect = for_alias(alias, portable=portable)
+    dialect.acquire("job", 30, "holder", "t2", "task", None, 0)
+    assert dialect.acquire("job", 30, "a", "t1", "task", None, 0) == Completed("t1", 0)
+    busy = dialect.acquire("job", 30, "a", "t3", "task", None, 0)
+    assert isinstance(busy, Holder)
+    assert busy.owner == "holder"
+    assert kinds(alias, "job") == [("acquired", 1), ("busy", 1)]
+
+
+def test_acquire__store_raises_already_completed_and_records_retries(alias: str) -> None:
+    from celery_fenced.exceptions import AlreadyCompleted
+
+    lease = acquire("job", ttl=30, task_id="t1", retries=3, using=alias)
+    assert lease.retries == 3
+    assert lease.release(state="SUCCESS")
+    event = LeaseEvent.objects.using(alias).get(kind="released")
+    assert event.detail == {"state": "SUCCESS", "retries": 3}
+    with pytest.raises(AlreadyCompleted) as completed:
+        acquire("job", ttl=30, task_id="t1", retries=3, using=alias)
+    assert (completed.value.key, completed.value.task_id, completed.value.retries) == (
+        "job",
+        "t1",
+        3,
+    )
+    assert acquire("job", ttl=30, task_id="t1", retries=4, using=alias).token == 2
+
+
+def test_statements__grant_with_duplicate_check_is_one_statement_on_postgres() -> None:
+    connection = connections["postgres"]
+    with CaptureQueriesContext(connection) as queries:
+        acquire("k", ttl=30, task_id="t1", retries=0, using="postgres")
+    statements = data_statements(queries)
+    assert len(statements) == 1
+    assert "NOT EXISTS" in statements[0]
