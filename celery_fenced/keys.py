@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -48,13 +49,36 @@ def check_template(task_name: str, template: str, run: Callable[..., Any] | None
 def named_arguments(
     run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    bound = inspect.signature(run).bind_partial(*args, **kwargs)
+    signature, var_keyword = _signature(run)
+    bound = signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
-    for name, param in inspect.signature(run).parameters.items():
-        if param.kind is param.VAR_KEYWORD and name in named:
-            named.update(named.pop(name))
+    if var_keyword is not None and var_keyword in named:
+        named.update(named.pop(var_keyword))
     return named
+
+
+def _signature(run: Callable[..., Any]) -> tuple[inspect.Signature, str | None]:
+    """``run``'s signature and its ``**kwargs`` name, worked out once per function.
+
+    Every execution renders its key from its arguments; ``inspect.signature`` is the
+    slow part of that, and a task's ``run`` does not change.
+    """
+    try:
+        return _signatures(run)
+    except TypeError:  # unhashable: not worth keeping
+        return _read_signature(run)
+
+
+def _read_signature(run: Callable[..., Any]) -> tuple[inspect.Signature, str | None]:
+    signature = inspect.signature(run)
+    var_keyword = next(
+        (n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None
+    )
+    return signature, var_keyword
+
+
+_signatures = functools.lru_cache(maxsize=1024)(_read_signature)
 
 
 def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:

@@ -53,10 +53,12 @@ class Renewer:
             with self._cond:
                 if not self._leases:
                     connections.close_all()
-                    self._cond.wait(timeout=30)
-                    if not self._leases:
+                    # stop only after 30 s without a lease: short tasks come and go
+                    # between two wake-ups, and a thread per task would cost each of them
+                    if not self._cond.wait(timeout=30) and not self._leases:
                         self._thread = None
                         return
+                    continue
                 now = time.monotonic()
                 leases = list(self._leases.values())
                 next_due = min(x._confirmed_at + x.renew_interval for x in leases)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import os
 import sys
 import threading
@@ -50,8 +51,29 @@ class FencedExecution:
 
     # -- options ---------------------------------------------------------------------
     def fenced_options(self) -> conf.TaskOptions:
-        """This task's validated options, merged over the global ``fenced_*`` settings."""
+        """This task's validated options, merged over the global ``fenced_*`` settings.
+
+        Worked out once, then kept until the settings or one of the task's options change
+        (compared by identity: every execution asks).
+        """
         settings = conf.load(self.app)
+        sources = (
+            settings,
+            self._fenced_config,
+            self.lease_ttl,
+            self.lease_on_busy,
+            self.lease_renew_interval,
+            self.lease_key,
+            self.lease_reclaim,
+        )
+        kept = self.__dict__.get("_fenced_options_kept")
+        if kept is not None and all(map(operator.is_, kept[0], sources)):
+            return kept[1]  # type: ignore[no-any-return]
+        options = self._merged_options(settings)
+        self.__dict__["_fenced_options_kept"] = (sources, options)
+        return options
+
+    def _merged_options(self, settings: conf.FencedSettings) -> conf.TaskOptions:
         config = self._fenced_config
         if config is not None:
             return settings.task_options(

@@ -125,3 +125,18 @@ def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_int
     err = capsys.readouterr().err
     assert "task 'mod.build'" in err
     assert "must be shorter than the lease ttl" in err
+
+
+def test_fenced_options__kept_until_the_settings_or_the_task_options_change() -> None:
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}}, fenced_on_busy="skip")
+    fence_configured_tasks(app)
+    configured, built = app.tasks["mod.add"], app.tasks["mod.build"]
+    first = built.fenced_options()
+    assert built.fenced_options() is first  # worked out once per execution, not each time
+    app.conf.update(fenced_on_busy="fail")
+    assert built.fenced_options().on_busy == "fail"
+    built.lease_ttl = 12
+    assert built.fenced_options().ttl == 12.0
+    assert configured.fenced_options().ttl == 5.0
+    configured._fenced_config = {"ttl": 7}
+    assert configured.fenced_options().ttl == 7.0

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_fenced.exceptions import FencedConfigurationError, FencedError
-from celery_fenced.keys import check_template, default_key, render_key
+from celery_fenced.keys import check_template, default_key, named_arguments, render_key
 from celery_fenced.models import KEY_MAX_LENGTH
 from celery_fenced.task import FencedTask
 
@@ -215,3 +215,20 @@ def test_definition__valid_template(bind: bool) -> None:
     assert isinstance(task, FencedTask)
     assert (task.acks_late, task.reject_on_worker_lost) == (True, True)
     assert render_key(task.name, task.lease_key, task.run, (7,), {}) == "report:7"
+
+
+def test_named_arguments__signatures_kept_per_function_and_bound_method() -> None:
+    class Job:
+        def run(self, report_id: int, **extra: Any) -> None:
+            pass
+
+    def other(name: str, count: int = 2) -> None:
+        pass
+
+    first, second = Job(), Job()
+    for _ in range(2):  # the second round comes from the kept signatures
+        assert named_arguments(first.run, (1,), {"x": 2}) == {"report_id": 1, "x": 2}
+        assert named_arguments(second.run, (), {"report_id": 3}) == {"report_id": 3}
+        assert named_arguments(other, ("a",), {}) == {"name": "a", "count": 2}
+    with pytest.raises(TypeError):
+        named_arguments(other, (), {"nosuch": 1})
