@@ -6,6 +6,9 @@ Variants, each one acquire and one release per cycle on a random key of ``keys``
   default database; SQLite is passed as ``using=``);
 - ``api-using``: the same on PostgreSQL with ``using="default"``, which skips the settings
   lookup ``acquire`` does to find the lease database;
+- ``api-prepared``: the same with ``using="prepared"``, the same database through Django's
+  opt-in server-side binding with prepared statements (``OPTIONS``:
+  ``{"server_side_binding": True, "prepare_threshold": 2}``);
 - ``raw``: the very statements the store sends, captured from it at the start of the run,
   sent with psycopg (``ClientCursor``, as Django's) or the ``sqlite3`` module — the floor
   the API can reach;
@@ -36,7 +39,7 @@ from unittest import mock
 
 from benchmarks.common import Context, Line, insert_select, median, rate, rotated, spread
 
-PG_VARIANTS = ("api", "api-using", "raw", "lean", "redis", "advisory")
+PG_VARIANTS = ("api", "api-using", "api-prepared", "raw", "lean", "redis", "advisory")
 SQLITE_VARIANTS = ("api", "raw")
 TTL = 30.0
 PROBE_KEY, PROBE_OWNER, PROBE_OTHER = "probe:key", "probe-owner", "probe-other"
@@ -164,6 +167,7 @@ class Cycles:
         functions: dict[tuple[str, str], Callable[[int], bool]] = {
             ("postgresql", "api"): self.api_pg,
             ("postgresql", "api-using"): self.api_pg_using,
+            ("postgresql", "api-prepared"): self.api_pg_prepared,
             ("postgresql", "raw"): self.raw_pg,
             ("postgresql", "lean"): self.lean_pg,
             ("postgresql", "redis"): self.redis_lock,
@@ -188,6 +192,16 @@ class Cycles:
 
         try:
             lease = acquire(f"cycle:{n}", ttl=TTL, using="default")
+        except LeaseBusy:
+            return False
+        lease.release()
+        return True
+
+    def api_pg_prepared(self, n: int) -> bool:
+        from celery_fenced import LeaseBusy, acquire
+
+        try:
+            lease = acquire(f"cycle:{n}", ttl=TTL, using="prepared")
         except LeaseBusy:
             return False
         lease.release()
@@ -474,6 +488,17 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         target="≥ 0.75x",
                         kind="min",
                         limit=0.75,
+                    )
+                )
+                r = ratio(config, "api-prepared", "redis")
+                lines.append(
+                    Line(
+                        row="3 lock cycles",
+                        case=f"{where}: API, prepared statements (Django OPTIONS) vs Redis lock",
+                        measured=value(config, "api-prepared"),
+                        baseline=value(config, "redis"),
+                        ratio=median(r),
+                        spread=spread(r),
                     )
                 )
                 r = ratio(config, "lean", "redis")

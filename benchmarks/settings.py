@@ -5,6 +5,8 @@
   PostgreSQL counts their statements apart from the runner's);
 - alias ``sqlite``: the SQLite file ``BENCH_SQLITE_PATH``;
 - one alias per name in ``BENCH_SCALE_DATABASES`` (comma-separated PostgreSQL databases);
+- alias ``prepared``: database ``default`` again, with psycopg's server-side binding and
+  prepared statements (``OPTIONS``: ``server_side_binding``, ``prepare_threshold``);
 - the result backend from ``BENCH_RESULT_BACKEND`` (the runner starts one worker per
   backend), the broker from ``FENCED_REDIS_URL``;
 - ``BENCH_DB_REUSE=1``: the worker keeps its database connections across tasks (Celery's
@@ -38,6 +40,12 @@ DATABASES = {
 }
 for _name in filter(None, os.environ.get("BENCH_SCALE_DATABASES", "").split(",")):
     DATABASES[_name] = _pg(_name)
+# the same database through server-side binding with prepared statements (Django's opt-in
+# psycopg 3 options; off by default): row 3 measures what they give the store
+DATABASES["prepared"] = {
+    **DATABASES["default"],
+    "OPTIONS": {"server_side_binding": True, "prepare_threshold": 2},
+}
 
 # the benchmark tasks are found by the worker's autodiscovery (benchmarks/tasks.py)
 INSTALLED_APPS = [*INSTALLED_APPS, "benchmarks"]
