@@ -416,7 +416,8 @@ def test_fenced_task__its_grant_records_the_job_and_the_release_drops_it(
 
     alias = fenced_database
     info = {"exchange": "", "routing_key": "q-probe", "priority": 0}
-    probe.push_request(id="task-1", delivery_info=info, hostname="w1", is_eager=False)
+    request = {"delivery_info": info, "hostname": "w1", "is_eager": False}
+    probe.push_request(id="task-1", called_directly=False, **request)  # as the tracer does
     try:
         value = probe(marker="m")
         held = Lease.objects.using(alias).get(key=value["key"])

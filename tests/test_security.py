@@ -260,9 +260,17 @@ class FixedSQL:
         return self._memo[memo]
 
 
-def sql_sources(path: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]]:
-    """Every SQL f-string and every ``execute``'d SQL argument of the module at ``path``."""
-    tree = ast.parse(path.read_text())
+def sql_sources(*paths: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]]:
+    """Every SQL f-string and every ``execute``'d SQL argument of the modules at ``paths``.
+
+    Modules read together are checked as one (the dialects' classes build their statements
+    from fragments their base classes and siblings define).
+    """
+    tree = ast.Module(
+        body=[node for path in paths for node in ast.parse(path.read_text()).body],
+        type_ignores=[],
+    )
+    path = paths[0] if len(paths) == 1 else paths[0].parent
     checker = FixedSQL(tree)
     found: list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]] = []
     for node in ast.walk(tree):
@@ -287,11 +295,14 @@ def sql_sources(path: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None,
     return found
 
 
-MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts)
+DIALECTS = sorted((PACKAGE / "dialects").glob("*.py"))
+MODULES = sorted(
+    p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts and p not in DIALECTS
+)
 
 
 def test_sql__dialect_fstrings_interpolate_only_fixed_fragments() -> None:
-    sources = sql_sources(PACKAGE / "dialects.py")
+    sources = sql_sources(*DIALECTS)
     assert len(sources) > 20  # the dialects' statements were found
     runtime = [
         f"{where}: {ast.unparse(node)[:120]}"
@@ -302,13 +313,17 @@ def test_sql__dialect_fstrings_interpolate_only_fixed_fragments() -> None:
 
 
 def test_sql__checker_catches_a_key_spliced_into_the_real_dialects(tmp_path: Path) -> None:
-    source = (PACKAGE / "dialects.py").read_text()
-    assert "WHERE key = %s" in source
-    spliced = tmp_path / "dialects.py"
-    spliced.write_text(source.replace("WHERE key = %s", "WHERE key = '{key}'", 1))
+    spliced, done = [], False
+    for module in DIALECTS:
+        source = module.read_text()
+        if not done and "WHERE key = %s" in source:
+            source, done = source.replace("WHERE key = %s", "WHERE key = '{key}'", 1), True
+        spliced.append(tmp_path / module.name)
+        spliced[-1].write_text(source)
+    assert done
     runtime = [
         where
-        for where, node, function, checker in sql_sources(spliced)
+        for where, node, function, checker in sql_sources(*spliced)
         if not checker.fixed(node, function)
     ]
     assert runtime

@@ -1,0 +1,193 @@
+"""PostgreSQL: every operation, its event included, in one statement."""
+
+from __future__ import annotations
+
+import json
+
+from celery_fenced.dialects.records import (
+    EVENT,
+    LEASE,
+    TOO_MANY,
+    Claim,
+    Completed,
+    Grant,
+    Holder,
+    aware,
+    holder_of,
+    released_detail,
+)
+from celery_fenced.dialects.sql import SQLDialect
+
+
+class PostgreSQL(SQLDialect):
+    """One statement per operation: the state change and its event in one CTE."""
+
+    NOW = "statement_timestamp()"
+    JSON = "%s::jsonb"
+
+    def json_text(self, column: str, name: str) -> str:
+        return f"({column} ->> '{name}')"
+
+    def json_int(self, column: str, name: str) -> str:
+        return f"({column} ->> '{name}')::bigint"
+
+    def expiry(self, ttl_sql: str) -> str:
+        return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
+
+    def remaining(self, column: str) -> str:
+        return f"GREATEST(EXTRACT(EPOCH FROM {column} - statement_timestamp()), 0)::float8"
+
+    # VALUES needs typed columns for the comparisons with bigint and the interval
+    VALUES_ROW = "(%s, %s::bigint, %s, %s::float8)"
+    # concurrent reclaimers take different rows instead of queueing on the same ones
+    LOCK_SKIP = "FOR UPDATE SKIP LOCKED"
+
+    def ago(self, seconds_sql: str) -> str:
+        return f"(statement_timestamp() - ({seconds_sql})::float8 * interval '1 second')"
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """The claim and the ``abandoned`` events in one statement."""
+        claim_sql, _ = self._claim_sql()
+        rows = self._fetch(
+            f"""WITH c AS ({claim_sql}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'abandoned', token, task_id, owner, statement_timestamp(),
+                           jsonb_build_object('task', task_name, 'attempts', reclaim_attempts,
+                                              'max', %s::int, 'reason', %s::text)
+                    FROM c WHERE reclaim_state = 'abandoned')
+                SELECT * FROM c""",
+            [
+                *self._claim_params(grace, resend_after, max_attempts, limit),
+                max_attempts,
+                TOO_MANY,
+            ],
+        )
+        return [Claim(*row) for row in rows]
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None = None,
+        retries: int | None = None,
+    ) -> Grant | Holder | Completed:
+        unless_completed, params = self._grant_params(
+            key, ttl, owner, task_id, task_name, job, retries
+        )
+        grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
+        rows = self._fetch(
+            f"""WITH granted AS ({grant}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, CASE WHEN reclaimed_from = '' THEN 'acquired' ELSE 'reclaimed' END,
+                           token, %s, %s, statement_timestamp(),
+                           CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
+                           jsonb_build_object('previous_owner', reclaimed_from,
+                                              'previous_token', token - 1) END
+                    FROM granted)
+                SELECT id, token, expires_at, reclaimed_from FROM granted""",
+            [*params, task_id, owner],
+        )
+        if rows:
+            lease_id, token, expires_at, reclaimed_from = rows[0]
+            return Grant(lease_id, token, aware(expires_at), reclaimed_from)
+        # not granted (rare): a completed duplicate, or the key is held
+        if unless_completed and retries is not None and self.completed(task_id, retries):
+            return Completed(task_id, retries)
+        rows = self._fetch(
+            f"""WITH holder AS ({self._busy_select()}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'busy', token, %s, %s, statement_timestamp(),
+                           jsonb_build_object('holder', owner)
+                    FROM holder)
+                SELECT token, owner, expires_at, remaining FROM holder""",
+            [key, task_id, owner],
+        )
+        return holder_of(rows)
+
+    def release(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> bool:
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
+                    RETURNING id, token),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
+                    FROM r)
+                SELECT token FROM r""",
+            [key, token, owner, task_id, owner, json.dumps(released_detail(state, retries))],
+        )
+        return bool(rows)
+
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None
+    ) -> tuple[int, str] | None:
+        only_task = "" if task_id is None else "AND task_id = %s"
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                    WHERE key = %s AND released_at IS NULL {only_task}
+                    RETURNING id, token, owner, task_id),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'force_released', token, task_id, owner, statement_timestamp(),
+                           jsonb_build_object('by', %s::text)
+                    FROM r)
+                SELECT token, owner FROM r""",
+            [key, *([] if task_id is None else [task_id]), by],
+        )
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        rows = self._fetch(
+            f"""SELECT token, released_at IS NULL AND expires_at > statement_timestamp()
+                FROM {LEASE} WHERE key = %s FOR UPDATE""",
+            [key],
+        )
+        if not rows:
+            return False, None
+        current, live = rows[0]
+        return (current == token and bool(live)), current
+
+    def release_current(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> tuple[bool, int | None]:
+        """One conditional ``UPDATE`` (it locks the row) with its event: proof and release."""
+        rows = self._fetch(
+            f"""WITH r AS (
+                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                    WHERE key = %s AND token = %s AND released_at IS NULL
+                      AND expires_at > statement_timestamp()
+                    RETURNING id, token),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
+                    FROM r)
+                SELECT token FROM r""",
+            [key, token, task_id, owner, json.dumps(released_detail(state, retries))],
+        )
+        if rows:
+            return True, token
+        return False, self._current_token(key)

@@ -1,0 +1,115 @@
+"""What the dialects return and record: grants, holders, claims, event details."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.utils.dateparse import parse_datetime
+
+from celery_fenced.models import Lease, LeaseEvent
+
+LEASE = Lease._meta.db_table
+EVENT = LeaseEvent._meta.db_table
+
+
+@dataclass(frozen=True)
+class Grant:
+    lease_id: int
+    token: int
+    expires_at: dt.datetime
+    reclaimed_from: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    token: int
+    owner: str
+    expires_at: dt.datetime
+    remaining: float
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The grant was refused: this task id already completed (a duplicate delivery)."""
+
+    task_id: str
+    retries: int
+
+
+#: the states of a ``released`` event that mark its task id completed (and as SQL)
+COMPLETED_STATES = ("SUCCESS", "FAILURE")
+COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE')"
+#: the retry count assumed for a ``released`` event recorded without one (before it was
+#: recorded): any delivery of that task id counts as a duplicate, as it did then
+UNRECORDED_RETRIES = 2147483647
+
+
+@dataclass(frozen=True)
+class Claim:
+    """An expired, unfinished grant claimed by one reclaimer (or abandoned by it)."""
+
+    lease_id: int
+    key: str
+    token: int
+    owner: str
+    task_id: str
+    task_name: str
+    job: str
+    attempts: int
+    state: str  # "resent": send the job again; "abandoned": too many attempts
+
+
+@dataclass(frozen=True)
+class Renewal:
+    key: str
+    token: int
+    owner: str
+    ttl: float
+
+
+def aware(value: Any) -> dt.datetime:
+    if isinstance(value, str):
+        parsed = parse_datetime(value)
+        if parsed is None:  # pragma: no cover - the database wrote it
+            raise ValueError(f"unparseable timestamp {value!r}")
+        value = parsed
+    if not isinstance(value, dt.datetime):  # pragma: no cover - the database wrote it
+        raise TypeError(f"expected a timestamp, got {value!r}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value
+
+
+TOO_MANY = "the job expired unfinished after the maximum number of re-sends"
+
+
+def abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
+    return {
+        "task": claim.task_name,
+        "attempts": claim.attempts,
+        "max": max_attempts,
+        "reason": TOO_MANY,
+    }
+
+
+def released_detail(state: str, retries: int | None = None) -> dict[str, Any]:
+    """The detail of a ``released`` event: the final state and the delivery's retry count.
+
+    ``retries`` (``request.retries`` of the execution) is what the completed-duplicate
+    check compares a later delivery of the same task id with.
+    """
+    detail: dict[str, Any] = {"state": state} if state else {}
+    if retries is not None:
+        detail["retries"] = retries
+    return detail
+
+
+def holder_of(rows: Sequence[Sequence[Any]]) -> Holder:
+    if not rows:
+        # The row was released between the two statements: report a zero wait.
+        return Holder(0, "", dt.datetime.now(dt.timezone.utc), 0.0)
+    token, owner, expires_at, remaining = rows[0]
+    return Holder(token, owner, aware(expires_at), float(remaining))

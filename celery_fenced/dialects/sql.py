@@ -1,0 +1,209 @@
+"""What the SQL dialects share: statements built from fragments each dialect fills."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from celery_fenced.dialects.portable import Dialect
+from celery_fenced.dialects.records import (
+    COMPLETED_STATES_SQL,
+    EVENT,
+    LEASE,
+    UNRECORDED_RETRIES,
+    Renewal,
+    aware,
+)
+
+
+class SQLDialect(Dialect):
+    """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
+
+    NOW: str
+    JSON: str
+
+    def expiry(self, ttl_sql: str) -> str:
+        raise NotImplementedError
+
+    def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+
+    def now(self) -> dt.datetime:
+        return aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
+
+    def _upsert(self, unless_completed: bool = False) -> str:
+        """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
+
+        Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
+        then the task id and the delivery's retries: no row is proposed (so none is
+        granted) when :meth:`completed` holds, in the same statement.
+        """
+        now = self.NOW
+        # a re-delivery of the same unfinished task keeps its reclaim count
+        same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
+        values = f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL"
+        proposed = (
+            f"SELECT {values} WHERE NOT EXISTS ({self._completed_sql()})"
+            if unless_completed
+            else f"VALUES ({values})"
+        )
+        return f"""
+            INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
+                                      renewed_at, expires_at, released_at, reclaimed_from,
+                                      job, reclaim_attempts, reclaim_state, reclaim_claimed_at)
+            {proposed}
+            ON CONFLICT (key) DO UPDATE SET
+                token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
+                task_name = excluded.task_name, acquired_at = excluded.acquired_at,
+                renewed_at = excluded.renewed_at, expires_at = excluded.expires_at,
+                released_at = NULL,
+                reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
+                job = excluded.job,
+                reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
+                reclaim_state = '',
+                reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
+            WHERE l.released_at IS NOT NULL OR l.expires_at <= {now}
+            RETURNING id, token, expires_at, reclaimed_from"""
+
+    def _completed_sql(self) -> str:
+        """The ``released`` events that make task id ``%s`` at retries ``%s`` a duplicate."""
+        return f"""SELECT 1 FROM {EVENT} e
+                   WHERE e.task_id = %s AND e.kind = 'released'
+                     AND {self.json_text("e.detail", "state")} IN {COMPLETED_STATES_SQL}
+                     AND COALESCE({self.json_int("e.detail", "retries")},
+                                  {UNRECORDED_RETRIES}) >= %s"""
+
+    def json_text(self, column: str, name: str) -> str:
+        raise NotImplementedError
+
+    def json_int(self, column: str, name: str) -> str:
+        raise NotImplementedError
+
+    def completed(self, task_id: str, retries: int) -> bool:
+        return bool(self._fetch(self._completed_sql(), [task_id, retries]))
+
+    def _grant_params(
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None,
+        retries: int | None,
+    ) -> tuple[bool, list[Any]]:
+        """Whether the grant checks for a completed duplicate, and its parameters."""
+        params = [key, owner, task_id, task_name, self.ttl_param(ttl), job]
+        unless_completed = bool(task_id) and retries is not None
+        if unless_completed:
+            params += [task_id, retries]
+        return unless_completed, params
+
+    def _busy_select(self) -> str:
+        return f"""
+            SELECT id, token, owner, expires_at, {self.remaining("expires_at")} AS remaining
+            FROM {LEASE} WHERE key = %s"""
+
+    def remaining(self, column: str) -> str:
+        raise NotImplementedError
+
+    VALUES_ROW = "(%s, %s, %s, %s)"
+
+    def _renew_sql(self, count: int) -> str:
+        values = ", ".join([self.VALUES_ROW] * count)
+        now = self.NOW
+        return f"""
+            WITH v(k, t, o, ttl) AS (VALUES {values})
+            UPDATE {LEASE} SET renewed_at = {now}, expires_at = {self.expiry("v.ttl")}
+            FROM v
+            WHERE {LEASE}.key = v.k AND {LEASE}.token = v.t AND {LEASE}.owner = v.o
+              AND {LEASE}.released_at IS NULL AND {LEASE}.expires_at > {now}
+            RETURNING {LEASE}.key, {LEASE}.token, {LEASE}.expires_at"""
+
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        if not leases:
+            return {}
+        params: list[Any] = []
+        for lease in leases:
+            params += [lease.key, lease.token, lease.owner, self.ttl_param(lease.ttl)]
+        rows = self._fetch(self._renew_sql(len(leases)), params)
+        return {(key, token): aware(expires) for key, token, expires in rows}
+
+    def ttl_param(self, ttl: float) -> Any:
+        return ttl
+
+    def ago(self, seconds_sql: str) -> str:
+        """SQL for the database's clock minus ``seconds_sql`` seconds."""
+        raise NotImplementedError
+
+    LOCK_SKIP = ""
+
+    def _claim_sql(self) -> tuple[str, list[str]]:
+        """One conditional UPDATE … RETURNING that claims expired, unfinished grants.
+
+        Returns the SQL and the names of its parameters, in order. The condition is
+        repeated outside the batch subquery so that a row claimed by a concurrent
+        reclaimer (whose claim committed first) is re-checked and skipped.
+        """
+        eligible = f"""released_at IS NULL AND job IS NOT NULL
+                AND expires_at < {self.ago("%s")}
+                AND (reclaim_state = '' OR (reclaim_state = 'resent'
+                     AND reclaim_claimed_at < {self.ago("%s")}))"""
+        sql = f"""
+            UPDATE {LEASE} SET
+                reclaim_attempts = CASE WHEN reclaim_attempts < %s
+                                   THEN reclaim_attempts + 1 ELSE reclaim_attempts END,
+                reclaim_state = CASE WHEN reclaim_attempts < %s
+                                THEN 'resent' ELSE 'abandoned' END,
+                reclaim_claimed_at = {self.NOW}
+            WHERE id IN (SELECT id FROM {LEASE} WHERE {eligible}
+                         ORDER BY expires_at LIMIT %s {self.LOCK_SKIP})
+              AND {eligible}
+            RETURNING id, key, token, owner, task_id, task_name, job, reclaim_attempts,
+                      reclaim_state"""
+        names = ["max", "max", "grace", "resend_after", "limit", "grace", "resend_after"]
+        return sql, names
+
+    def _claim_params(
+        self, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Any]:
+        values = {
+            "max": max_attempts,
+            "grace": self.ttl_param(grace),
+            "resend_after": self.ttl_param(resend_after),
+            "limit": limit,
+        }
+        return [values[name] for name in self._claim_sql()[1]]
+
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        self._fetch(
+            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                SELECT id, %s, %s, %s, %s, {self.NOW}, {self.JSON}
+                FROM {LEASE} WHERE key = %s RETURNING id""",
+            [kind, token, task_id, owner, json.dumps(detail), key],
+        )
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        rows = self._fetch(
+            f"""SELECT 1 FROM {LEASE} WHERE key = %s AND token = %s AND owner = %s
+                AND released_at IS NULL AND expires_at > {self.NOW}""",
+            [key, token, owner],
+        )
+        return bool(rows)
+
+    def _current_token(self, key: str) -> int | None:
+        """The key's current (or last) token, for the report of a refused write."""
+        rows = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
+        return rows[0][0] if rows else None

@@ -1,0 +1,197 @@
+"""SQLite: the state change in one upsert, its event in the same transaction."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.db import transaction
+
+from celery_fenced.dialects.records import (
+    EVENT,
+    LEASE,
+    Claim,
+    Completed,
+    Grant,
+    Holder,
+    abandoned_detail,
+    aware,
+    holder_of,
+    released_detail,
+)
+from celery_fenced.dialects.sql import SQLDialect
+
+
+class SQLite(SQLDialect):
+    """SQLite: the upsert is one statement; its event joins it in one transaction.
+
+    Times are written by SQLite's own clock in Django's text format, so they compare
+    as text with the values Django writes.
+    """
+
+    NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+    JSON = "%s"
+
+    def json_text(self, column: str, name: str) -> str:
+        return f"json_extract({column}, '$.{name}')"
+
+    def json_int(self, column: str, name: str) -> str:
+        return f"json_extract({column}, '$.{name}')"
+
+    def expiry(self, ttl_sql: str) -> str:
+        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
+
+    def remaining(self, column: str) -> str:
+        return f"max((julianday({column}) - julianday('now')) * 86400.0, 0.0)"
+
+    def ttl_param(self, ttl: float) -> Any:
+        return repr(float(ttl))
+
+    def ago(self, seconds_sql: str) -> str:
+        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || ({seconds_sql}) || ' seconds')"
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """The claim in one statement; the ``abandoned`` events in its transaction."""
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                self._claim_sql()[0],
+                self._claim_params(grace, resend_after, max_attempts, limit),
+            )
+            claims = [Claim(*row) for row in rows]
+            for claim in claims:
+                if claim.state == "abandoned":
+                    self._insert_event(
+                        claim.lease_id,
+                        "abandoned",
+                        claim.token,
+                        claim.task_id,
+                        claim.owner,
+                        abandoned_detail(claim, max_attempts),
+                    )
+        return claims
+
+    def acquire(
+        self,
+        key: str,
+        ttl: float,
+        owner: str,
+        task_id: str,
+        task_name: str,
+        job: str | None = None,
+        retries: int | None = None,
+    ) -> Grant | Holder | Completed:
+        unless_completed, params = self._grant_params(
+            key, ttl, owner, task_id, task_name, job, retries
+        )
+        with transaction.atomic(using=self.alias):
+            grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
+            rows = self._fetch(grant, params)
+            if rows:
+                lease_id, token, expires_at, reclaimed_from = rows[0]
+                if reclaimed_from:
+                    kind = "reclaimed"
+                    detail = {"previous_owner": reclaimed_from, "previous_token": token - 1}
+                else:
+                    kind, detail = "acquired", {}
+                self._insert_event(lease_id, kind, token, task_id, owner, detail)
+                return Grant(lease_id, token, aware(expires_at), reclaimed_from)
+            if unless_completed and retries is not None and self.completed(task_id, retries):
+                return Completed(task_id, retries)
+            rows = self._fetch(self._busy_select(), [key])
+            if rows:
+                self._insert_event(
+                    rows[0][0], "busy", rows[0][1], task_id, owner, {"holder": rows[0][2]}
+                )
+            return holder_of([row[1:] for row in rows])
+
+    def _insert_event(
+        self,
+        lease_id: int,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        self._fetch(
+            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                VALUES (%s, %s, %s, %s, %s, {self.NOW}, %s) RETURNING id""",
+            [lease_id, kind, token, task_id, owner, json.dumps(detail)],
+        )
+
+    def release(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> bool:
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
+                    RETURNING id""",
+                [key, token, owner],
+            )
+            if rows:
+                detail = released_detail(state, retries)
+                self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
+            return bool(rows)
+
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None
+    ) -> tuple[int, str] | None:
+        only_task = "" if task_id is None else "AND task_id = %s"
+        with transaction.atomic(using=self.alias):
+            rows = self._fetch(
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                    WHERE key = %s AND released_at IS NULL {only_task}
+                    RETURNING id, token, owner, task_id""",
+                [key, *([] if task_id is None else [task_id])],
+            )
+            if not rows:
+                return None
+            lease_id, token, owner, task_id = rows[0]
+            self._insert_event(lease_id, "force_released", token, task_id, owner, {"by": by})
+            return token, owner
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        # A conditional no-op write takes SQLite's write lock for the rest of the
+        # transaction: no grant can be issued until the caller's writes commit.
+        rows = self._fetch(
+            f"""UPDATE {LEASE} SET token = token
+                WHERE key = %s AND token = %s AND released_at IS NULL
+                  AND expires_at > {self.NOW}
+                RETURNING token""",
+            [key, token],
+        )
+        if rows:
+            return True, token
+        return False, self._current_token(key)
+
+    def release_current(
+        self,
+        key: str,
+        token: int,
+        owner: str,
+        task_id: str,
+        state: str = "",
+        retries: int | None = None,
+    ) -> tuple[bool, int | None]:
+        """One conditional ``UPDATE`` (it takes the write lock), then its event."""
+        rows = self._fetch(
+            f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                WHERE key = %s AND token = %s AND released_at IS NULL
+                  AND expires_at > {self.NOW}
+                RETURNING id""",
+            [key, token],
+        )
+        if not rows:
+            return False, self._current_token(key)
+        detail = released_detail(state, retries)
+        self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
+        return True, token
