@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from django.db import connections
 from django.db.models import Case, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 
@@ -230,11 +229,13 @@ def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
     when it is above ``cap``; any other query is counted up to ``cap`` rows only
     (default :data:`COUNT_CAP`).
     """
+    from celery_fenced import dialects
+
     cap = COUNT_CAP if cap is None else cap
-    connection = connections[queryset.db]
     unordered = queryset.order_by()
-    if connection.vendor == "postgresql" and not queryset.query.where:
-        estimate = _estimated_rows(queryset.db, queryset.model._meta.db_table)
+    if not queryset.query.where:
+        table = queryset.model._meta.db_table
+        estimate = dialects.for_alias(queryset.db).estimated_rows(table) or 0
         # a stale estimate of a table emptied since: check there really are > cap rows
         if estimate > cap and unordered[cap : cap + 1].exists():
             return Count(estimate, "about")
@@ -242,14 +243,3 @@ def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
     if counted > cap:
         return Count(cap, "at_least")
     return Count(counted)
-
-
-def _estimated_rows(alias: str, table: str) -> int:
-    connection = connections[alias]
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)",
-            [connection.ops.quote_name(table)],
-        )
-        row = cursor.fetchone()
-    return int(row[0]) if row and row[0] is not None and row[0] > 0 else 0

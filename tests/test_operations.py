@@ -91,3 +91,18 @@ def test_fast_count__postgres_estimates_a_whole_large_table() -> None:
 )
 def test_describe_expiry(seconds: float | None, text: str) -> None:
     assert operations.describe_expiry(seconds) == text
+
+
+def test_fast_count__unfiltered_uses_the_planner_estimate_on_postgresql(alias: str) -> None:
+    for i in range(12):
+        acquire(f"k{i}", ttl=30, using=alias)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"ANALYZE {Lease._meta.db_table}")
+    everything = Lease.objects.using(alias).all()
+    if alias == "postgres":
+        assert operations.fast_count(everything, cap=5) == operations.Count(12, "about")
+    else:  # no estimate: counted up to the cap
+        assert operations.fast_count(everything, cap=5) == operations.Count(5, "at_least")
+    # a filtered query is never estimated
+    held = everything.filter(key__startswith="k1")
+    assert operations.fast_count(held, cap=100) == operations.Count(3)

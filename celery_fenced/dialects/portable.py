@@ -430,6 +430,10 @@ class Dialect:
         if lease_id is not None:
             self._event(lease_id, kind, token, task_id, owner, None, detail)
 
+    def estimated_rows(self, table: str) -> int | None:
+        """The planner's estimate of ``table``'s size, where the database keeps one."""
+        return None
+
     def is_current(self, key: str, token: int, owner: str) -> bool:
         now = self.now()
         return (

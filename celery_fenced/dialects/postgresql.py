@@ -45,6 +45,14 @@ class PostgreSQL(SQLDialect):
     def ago(self, seconds_sql: str) -> str:
         return f"(statement_timestamp() - ({seconds_sql})::float8 * interval '1 second')"
 
+    def estimated_rows(self, table: str) -> int | None:
+        rows = self._fetch(
+            "SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)",
+            [self.connection.ops.quote_name(table)],
+        )
+        estimate = rows[0][0] if rows else None
+        return int(estimate) if estimate is not None and estimate > 0 else None
+
     def claim_expired(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
     ) -> list[Claim]:
