@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from django.db.models import Case, Q, QuerySet, Value, When
+from django.db.models import Case, Max, Min, Q, QuerySet, Value, When
+from django.db.models import Count as CountOf
 from django.db.models.functions import Now
 
 from celery_fenced import store
@@ -174,16 +175,18 @@ def prune_events(
     cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
     manager = LeaseEvent._default_manager.using(alias)
     old = manager.filter(at__lt=cutoff).order_by()
-    total = old.count()
+    span = old.aggregate(first=Min("id"), last=Max("id"), total=CountOf("id"))
+    if not span["total"]:
+        return 0
     deleted = 0
-    while True:
-        # DELETE … WHERE id IN (SELECT id … WHERE at < cutoff LIMIT batch_size)
-        count, _ = manager.filter(id__in=old.values("id")[:batch_size]).delete()
-        if not count:
-            break
+    # walk the primary key in ranges of batch_size ids: each DELETE is an index range scan
+    # (a LIMITed subquery on `at` would rescan the dead rows of every earlier batch)
+    for start in range(span["first"], span["last"] + 1, batch_size):
+        in_range = {"id__gte": start, "id__lt": start + batch_size, "at__lt": cutoff}
+        count, _ = manager.filter(**in_range).delete()
         deleted += count
-        if progress is not None:
-            progress(deleted, max(total, deleted))
+        if progress is not None and count:
+            progress(deleted, max(span["total"], deleted))
     return deleted
 
 

@@ -106,3 +106,21 @@ def test_fast_count__unfiltered_uses_the_planner_estimate_on_postgresql(alias: s
     # a filtered query is never estimated
     held = everything.filter(key__startswith="k1")
     assert operations.fast_count(held, cap=100) == operations.Count(3)
+
+
+def test_prune_events__keeps_recent_events_between_old_ones(alias: str) -> None:
+    from celery_fenced.models import LeaseEvent
+
+    for _ in range(4):  # old and recent events interleaved by id
+        acquire("old", ttl=30, using=alias).release()
+        acquire("recent", ttl=30, using=alias).release()
+    events = LeaseEvent.objects.using(alias)
+    events.filter(lease__key="old").update(at=F("at") - dt.timedelta(days=40))
+    seen: list[tuple[int, int]] = []
+    deleted = operations.prune_events(
+        older_than_days=30, using=alias, batch_size=3, progress=lambda d, t: seen.append((d, t))
+    )
+    assert deleted == 8
+    assert not events.filter(lease__key="old").exists()
+    assert events.filter(lease__key="recent").count() == 8
+    assert seen[-1] == (8, 8)
