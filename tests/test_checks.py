@@ -44,3 +44,19 @@ def test_check_settings__registered_with_django(settings: Any) -> None:
     settings.USE_TZ = False
     errors = checks.run_checks(tags=["celery_fenced"])
     assert sorted(e.id for e in errors) == ["celery_fenced.E001", "celery_fenced.E002"]
+
+
+def test_check_result_database__same_database_passes() -> None:
+    from celery_fenced.checks import check_result_database
+
+    assert check_result_database() == []
+
+
+def test_check_result_database__results_elsewhere_is_w001(settings: Any) -> None:
+    from celery_fenced.checks import check_result_database
+
+    settings.CELERY_FENCED_DATABASE = "postgres"  # results stay on "default"
+    warnings = check_result_database()
+    assert [w.id for w in warnings] == ["celery_fenced.W001"]
+    assert "results to database 'default' but the leases are in 'postgres'" in warnings[0].msg
+    assert "CELERY_FENCED_DATABASE = 'default'" in str(warnings[0].hint)
