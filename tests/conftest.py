@@ -28,6 +28,18 @@ def alias(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def lease_db(alias: str, settings: Any) -> Iterator[str]:
+    """Leases and results on ``alias`` (``fenced_database`` and a router for the rest)."""
+    from . import routers
+
+    routers.TARGET = alias
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    settings.CELERY_FENCED_DATABASE = alias
+    yield alias
+    routers.TARGET = "default"
+
+
+@pytest.fixture
 def child_env() -> dict[str, str]:
     """Environment for processes the tests start: the test databases, this checkout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

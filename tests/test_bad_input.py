@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,6 @@ from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
 
-from . import routers
 from .conftest import DATABASE_ALIASES
 from .workers import Worker
 
@@ -252,16 +251,6 @@ def rows(alias: str) -> tuple[list[Any], list[Any], list[Any]]:
         list(LeaseEvent.objects.using(alias).order_by("pk").values()),
         list(TaskResult.objects.using(alias).order_by("pk").values()),
     )
-
-
-@pytest.fixture
-def lease_db(alias: str, settings: Any) -> Iterator[str]:
-    """Leases and results on ``alias``."""
-    routers.TARGET = alias
-    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
-    settings.CELERY_FENCED_DATABASE = alias
-    yield alias
-    routers.TARGET = "default"
 
 
 def run_as_worker(task: Any, args: tuple[Any, ...], **request: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,19 +12,9 @@ from celery_fenced import FencedTask, LeaseBusy, acquire
 from celery_fenced.models import Lease
 from celery_fenced.renewal import renewer
 
-from . import routers
 from .conftest import DATABASE_ALIASES
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
-
-
-@pytest.fixture
-def lease_db(alias: str, settings: Any) -> Iterator[str]:
-    routers.TARGET = alias
-    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
-    settings.CELERY_FENCED_DATABASE = alias
-    yield alias
-    routers.TARGET = "default"
 
 
 def define(**options: Any) -> Any:
