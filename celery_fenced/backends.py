@@ -26,7 +26,7 @@ from django.db import connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import dialects, signals, store
+from celery_fenced import dialects, store
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease
 from celery_fenced.store import HeldLease
@@ -151,16 +151,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         """After the commit that released ``lease``: stop renewing it, tell receivers."""
         from celery_fenced.renewal import renewer
 
-        lease.released = True
         renewer().unregister(lease)
-        signals.lease_released.send(
-            sender=Lease,
-            key=lease.key,
-            token=lease.token,
-            owner=lease.owner,
-            task_id=lease.task_id,
-            forced=False,
-        )
+        lease.ended()
 
     def _refuse(
         self,

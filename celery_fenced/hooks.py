@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import signals
 
@@ -70,15 +70,17 @@ def fence_configured_tasks(app: Any) -> list[str]:
     return fenced
 
 
-def validate_fenced_tasks(app: Any) -> None:
+def validate_fenced_tasks(app: Any) -> bool:
     """Merge every fenced task's options over the settings now, so a mismatch (say a
     global ``fenced_renew_interval`` not shorter than one task's ``lease_ttl``) stops the
-    worker at start, naming the task, instead of failing each execution."""
+    worker at start, naming the task, instead of failing each execution. Returns whether
+    the app has any fenced task."""
     from celery_fenced.task import FencedExecution
 
-    for task in list(app.tasks.values()):
-        if isinstance(task, FencedExecution):
-            task.fenced_options()
+    fenced = [task for task in list(app.tasks.values()) if isinstance(task, FencedExecution)]
+    for task in fenced:
+        task.fenced_options()
+    return bool(fenced)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -122,15 +124,16 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         )
     try:
         names = fence_configured_tasks(app)
-        validate_fenced_tasks(app)
+        any_fenced = validate_fenced_tasks(app)
     except FencedError as exc:
         _stop(str(exc))
     if names:
         logger.info("celery-fenced: fencing %s", ", ".join(sorted(names)))
-    _check_tables(app)
+    if any_fenced:
+        _check_tables()
 
 
-def _check_tables(app: Any) -> None:
+def _check_tables() -> None:
     """Stop the worker when fenced tasks would find no lease tables (migrations not run).
 
     An unreachable database does not stop the worker: tasks retry until it is back.
@@ -139,10 +142,7 @@ def _check_tables(app: Any) -> None:
 
     from celery_fenced import schema, store
     from celery_fenced.exceptions import FencedConfigurationError
-    from celery_fenced.task import FencedExecution
 
-    if not any(isinstance(task, FencedExecution) for task in app.tasks.values()):
-        return
     alias = store.database_alias()
     try:
         schema.check_tables(alias)
@@ -177,7 +177,7 @@ def on_process_shutdown(**kwargs: Any) -> None:
             logger.warning("could not release %r at shutdown", lease.key, exc_info=True)
 
 
-def _stop(message: str) -> None:
+def _stop(message: str) -> NoReturn:
     logger.critical("celery-fenced: %s", message)
     print(f"celery-fenced: {message}", file=sys.stderr)
     raise SystemExit(1)

@@ -167,20 +167,25 @@ class HeldLease:
         ok = dialects.for_alias(self.alias).release(
             self.key, self.token, self.owner, self.task_id, state, self.retries
         )
-        self.released = True
         if ok:
-            signals.lease_released.send(
-                sender=Lease,
-                key=self.key,
-                token=self.token,
-                owner=self.owner,
-                task_id=self.task_id,
-                forced=False,
-            )
-            logger.debug("lease released", extra=self._log_extra())
+            self.ended()
         else:
+            self.released = True
             self.mark_lost("release refused: the grant had already ended")
         return ok
+
+    def ended(self) -> None:
+        """This grant's release has committed: mark it released and tell the receivers."""
+        self.released = True
+        signals.lease_released.send(
+            sender=Lease,
+            key=self.key,
+            token=self.token,
+            owner=self.owner,
+            task_id=self.task_id,
+            forced=False,
+        )
+        logger.debug("lease released", extra=self._log_extra())
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` if the grant was taken away.

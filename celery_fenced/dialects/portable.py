@@ -363,18 +363,28 @@ class Dialect:
         Must run inside a transaction: the lock is held until it ends, so no newer grant
         can be issued before the caller's writes commit. Returns ``(ok, current_token)``.
         """
-        now = self.now()
+        lease_id, current = self._lock_if_current(key, token, self.now())
+        return lease_id is not None, current
+
+    def _lock_if_current(
+        self, key: str, token: int, now: dt.datetime
+    ) -> tuple[int | None, int | None]:
+        """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
+
+        Returns ``(lease id or None, the key's current token or None)``.
+        """
         row = (
             Lease._default_manager.using(self.alias)
             .select_for_update()
             .filter(key=key)
-            .values_list("token", "released_at", "expires_at")
+            .values_list("pk", "token", "released_at", "expires_at")
             .first()
         )
         if row is None:
-            return False, None
-        current, released_at, expires_at = row
-        return (current == token and released_at is None and expires_at > now), current
+            return None, None
+        lease_id, current, released_at, expires_at = row
+        is_current = current == token and released_at is None and expires_at > now
+        return (lease_id if is_current else None), current
 
     def release_current(
         self,
@@ -394,19 +404,12 @@ class Dialect:
         transaction. The result write of a final state opens with it.
         """
         now = self.now()
-        manager = Lease._default_manager.using(self.alias)
-        row = (
-            manager.select_for_update()
-            .filter(key=key)
-            .values_list("pk", "token", "released_at", "expires_at")
-            .first()
-        )
-        if row is None:
-            return False, None
-        lease_id, current, released_at, expires_at = row
-        if current != token or released_at is not None or expires_at <= now:
+        lease_id, current = self._lock_if_current(key, token, now)
+        if lease_id is None:
             return False, current
-        manager.filter(pk=lease_id).update(released_at=now, job=None)
+        Lease._default_manager.using(self.alias).filter(pk=lease_id).update(
+            released_at=now, job=None
+        )
         self._event(
             lease_id, "released", token, task_id, owner, now, released_detail(state, retries)
         )
