@@ -99,7 +99,7 @@ class HeldLease:
         task_id: str = "",
         reclaimed_from: str = "",
         renew_interval: float | None = None,
-        retries: int | None = None,
+        delivery: dialects.Delivery | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -109,8 +109,8 @@ class HeldLease:
         self.alias = alias
         self.task_id = task_id
         self.reclaimed_from = reclaimed_from
-        #: the retry count of the task delivery this grant is for (recorded at release)
-        self.retries = retries
+        #: the task delivery this grant is for: its completion is marked at release
+        self.delivery = delivery
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
         self._lost_reason: str | None = None
@@ -165,7 +165,7 @@ class HeldLease:
         if self.released:
             return True
         ok = dialects.for_alias(self.alias).release(
-            self.key, self.token, self.owner, self.task_id, state, self.retries
+            self.key, self.token, self.owner, self.task_id, state, self.delivery
         )
         if ok:
             self.ended()
@@ -266,7 +266,7 @@ def acquire(
     using: str | None = None,
     renew_interval: float | None = None,
     job: str | None = None,
-    retries: int | None = None,
+    delivery: dialects.Delivery | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -275,20 +275,22 @@ def acquire(
     job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
     statement, so the reclaimer can send it again if the grant expires unfinished.
 
-    ``retries`` (with ``task_id``: the retry count of the task delivery) makes the same
-    statement refuse a task id that already completed under its lease in a delivery
-    retried at least as often, raising :class:`~celery_fenced.exceptions.AlreadyCompleted`
-    (see :meth:`celery_fenced.dialects.Dialect.completed`); it is recorded on the
-    ``released`` event of this grant.
+    ``delivery`` (a task delivery: task id, message digest, retry count) makes the same
+    statement refuse a job that already completed under its lease within
+    ``fenced_duplicate_window``, raising
+    :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
+    :meth:`celery_fenced.dialects.Dialect.completed`); a release of this grant as
+    SUCCESS or FAILURE marks it completed.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
+    window = conf.load().duplicate_window if delivery is not None else 0.0
     sent = time.monotonic()
     with tables_required(alias):
         outcome = dialects.for_alias(alias).acquire(
-            key, seconds, owner, task_id, task_name, job, retries
+            key, seconds, owner, task_id, task_name, job, delivery, window
         )
     if isinstance(outcome, dialects.Completed):
         raise AlreadyCompleted(key, task_id, outcome.retries)
@@ -310,7 +312,7 @@ def acquire(
         task_id=task_id,
         reclaimed_from=outcome.reclaimed_from,
         renew_interval=renew_interval,
-        retries=retries,
+        delivery=delivery,
     )
     lease._confirmed_at = sent
     signals.lease_acquired.send(
@@ -351,33 +353,41 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
     return token
 
 
-def end_task_grants(task_id: str, *, by: str, using: str | None = None) -> list[int]:
-    """Force-release every live grant held for ``task_id``; return the tokens ended.
+def settle_elsewhere(
+    task_id: str, *, process: str | None, by: str, using: str | None = None
+) -> bool:
+    """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
-    For the worker's main process when it knows the execution is over without the
-    executing process having released (a revoke with terminate, a hard time limit, a lost
-    pool child): the next grant comes at once, and the old holder stays fenced out.
+    For writes that carry no lease: the worker's main process reporting that the process
+    ``process`` (an owner prefix, ``host:pid:``; None for a delivery that never started)
+    ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
+    before its grant. That process's own live grant of ``task_id`` is ended (force-released:
+    the next grant comes at once, and the old holder stays fenced out); no other grant is.
+    Returns False while another execution holds a grant of ``task_id`` (live, or expired
+    and not yet taken over): that execution owns the job's outcome, and this report must
+    change nothing.
     """
     alias = database_alias(using)
-    keys = list(
-        Lease._default_manager.using(alias)
-        .filter(task_id=task_id, released_at__isnull=True)
-        .values_list("key", flat=True)
-    )
-    ended = []
-    for key in keys:
-        outcome = dialects.for_alias(alias).force_release(key, by, task_id=task_id)
-        if outcome is not None:
-            ended.append(outcome[0])
-            signals.lease_released.send(
-                sender=Lease,
-                key=key,
-                token=outcome[0],
-                owner=outcome[1],
-                task_id=task_id,
-                forced=True,
-            )
-    return ended
+    dialect = dialects.for_alias(alias)
+    others = False
+    for key, token, owner in dialect.task_grants(task_id):
+        if process is not None and owner.startswith(process):
+            ended = dialect.force_release(key, by, task_id=task_id, token=token)
+            if ended is not None:
+                logger.info(
+                    "task %s ended (%s): released its grant of %r (token %s)",
+                    task_id,
+                    by,
+                    key,
+                    token,
+                    extra={"task_id": task_id, "lease_key": key, "fencing_token": token},
+                )
+                signals.lease_released.send(
+                    sender=Lease, key=key, token=token, owner=owner, task_id=task_id, forced=True
+                )
+        else:
+            others = True
+    return not others
 
 
 def reject_stale(
@@ -462,17 +472,33 @@ def fenced_transaction(
         ) from None
 
 
-def current_grant(key: str, *, using: str | None = None) -> tuple[int, str, bool] | None:
-    """``(token, task_id, ended)`` of the key's current or last grant, or None."""
+def expired_unclaimed(lease: HeldLease) -> bool:
+    """True when ``lease``'s grant expired (by the database's clock) and nobody took over.
+
+    Its token is still the key's, it was never released: the job can be retried at once
+    under the same task id without anyone's work being lost.
+    """
+    return dialects.for_alias(lease.alias).expired_unclaimed(lease.key, lease.token)
+
+
+def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
+    """``(task_id, ended)`` of ``key``'s current or last grant, or None."""
     row = (
         Lease._default_manager.using(database_alias(using))
         .filter(key=key)
-        .values_list("token", "task_id", "released_at")
+        .values_list("task_id", "released_at")
         .first()
     )
-    if row is None:
-        return None
-    return row[0], row[1], row[2] is not None
+    return None if row is None else (row[0], row[1] is not None)
+
+
+def grant_live_since(key: str, token: int, *, using: str | None = None) -> bool:
+    """Whether ``key`` is granted, unreleased, under ``token`` or a newer one."""
+    return (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key, token__gte=token, released_at__isnull=True)
+        .exists()
+    )
 
 
 def in_guard(key: str, token: int) -> bool:
