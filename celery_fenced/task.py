@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 #: retries of a busy key, a lost grant or a database error are not limited
 UNLIMITED_RETRIES = sys.maxsize
+#: the message header counting re-sends after a database error (for the backoff only)
+DATABASE_RETRIES = "fenced_database_retries"
 
 
 class FencedExecution:
@@ -160,11 +163,24 @@ class FencedExecution:
         The retry message is sent inside a ``guard()`` of the held lease: a stale
         execution sends none (it gets :class:`StaleToken`).
         """
+        with self._proven():
+            return super().retry(*args, **kwargs)  # type: ignore[misc]
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's ``replace``, sent only while this execution's token is proven current.
+
+        The replacement takes over the task's place in its workflow (callbacks, chain,
+        chord): a stale execution must not send it.
+        """
+        with self._proven():
+            return super().replace(sig)  # type: ignore[misc]
+
+    def _proven(self) -> Any:
+        """A ``guard()`` of the held lease, or nothing to prove (no lease, eager)."""
         lease = self.lease
         if lease is None or lease.released or getattr(self.request, "is_eager", False):
-            return super().retry(*args, **kwargs)  # type: ignore[misc]
-        with lease.guard():
-            return super().retry(*args, **kwargs)  # type: ignore[misc]
+            return contextlib.nullcontext()
+        return lease.guard()
 
     def _take_lease(
         self,
@@ -232,8 +248,10 @@ class FencedExecution:
         Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
         covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s).
         """
-        retries = int(getattr(self.request, "retries", 0) or 0)
-        countdown = min(2.0 ** min(retries, 4), 10.0)
+        # counted in a header of our own: the package's re-sends keep ``retries``
+        attempt = getattr(self.request, DATABASE_RETRIES, 0)
+        attempt = attempt if isinstance(attempt, int) and attempt >= 0 else 0
+        countdown = min(2.0 ** min(attempt, 4), 10.0)
         logger.warning(
             "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
             self.name,
@@ -241,7 +259,7 @@ class FencedExecution:
             exc,
             countdown,
         )
-        self._retry_unlimited(exc, countdown)
+        self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
 
     def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
         """The body learned its grant is gone, or a write it made was refused.
@@ -282,7 +300,7 @@ class FencedExecution:
         countdown = max(busy.remaining, 0.05)
         self._retry_unlimited(busy, countdown)
 
-    def _retry_unlimited(self, exc: Exception, countdown: float) -> NoReturn:
+    def _retry_unlimited(self, exc: Exception, countdown: float, **options: Any) -> NoReturn:
         """Send the job again in ``countdown`` seconds, whatever the task's ``max_retries``.
 
         A wait for the key, a lost grant or a database error is not the task failing, so
@@ -303,7 +321,7 @@ class FencedExecution:
             # that a completed job's copy is still recognised as a duplicate
             request.retries = retries - 1
         try:
-            raise retry(exc=exc, countdown=countdown, max_retries=limit)
+            raise retry(exc=exc, countdown=countdown, max_retries=limit, **options)
         finally:
             request.retries = retries
             self.__dict__.pop("override_max_retries", None)

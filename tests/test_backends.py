@@ -265,3 +265,35 @@ def test_main_process_report__without_any_grant_is_stored_as_celery_would(
 ) -> None:
     report(state, "t1", main_process_request("t1", None))
     assert TaskResult.objects.using(routed).get(task_id="t1").status == state
+
+
+def test_untokened_write__check_and_write_are_one_step_against_a_fenced_write(
+    routed: str,
+) -> None:
+    """A duplicate delivery's STARTED write checks while a fenced SUCCESS commits (issue
+    14, case 10): it waits for the fenced transaction, then sees the final row and writes
+    nothing."""
+    import threading
+
+    from django.db import transaction
+
+    from .conftest import wait_until_blocked
+
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"pid": 1}, states.STARTED, request=request_for("t1"))
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+
+    def started() -> None:
+        try:
+            backend.store_result("t1", {"pid": 2}, states.STARTED, request=request_for("t1"))
+        finally:
+            connections[routed].close()
+
+    with transaction.atomic(using=routed):
+        backend.mark_as_done("t1", {"v": 1}, request=request_for("t1", lease))
+        duplicate = threading.Thread(target=started)
+        duplicate.start()
+        wait_until_blocked(routed, duplicate)
+    duplicate.join(timeout=30)
+    row = TaskResult.objects.using(routed).get(task_id="t1")
+    assert (row.status, json.loads(row.result)) == (states.SUCCESS, {"v": 1})

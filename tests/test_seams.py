@@ -353,8 +353,9 @@ def test_reused_task_id__new_arguments_run_and_a_redelivery_does_not(
     assert status(lease_db, "report-7") == ("SUCCESS", '"second@1"')
 
 
-# -- retries: a stale execution's self.retry sends nothing ------------------------------------
-def test_stale_retry__sends_no_retry_message(broker: Broker, lease_db: str) -> None:
+# -- retries and replace: a stale execution sends neither -----------------------------------
+@pytest.mark.parametrize("how", ["retry", "replace"])
+def test_stale_retry_or_replace__sends_nothing(broker: Broker, lease_db: str, how: str) -> None:
     from celery_fenced.store import HeldLease
 
     app = broker.app
@@ -364,9 +365,11 @@ def test_stale_retry__sends_no_retry_message(broker: Broker, lease_db: str) -> N
     lease_seen: list[HeldLease] = []
     original = task.run
 
-    def run(value: str) -> str:
+    def run(value: str) -> Any:
         _gate("seams.step", value)
         lease_seen.append(task.lease)
+        if how == "replace":
+            return task.replace(app.signature("seams.sink", ("replaced",)))
         return task.retry(countdown=60)
 
     task.run = run
@@ -379,6 +382,7 @@ def test_stale_retry__sends_no_retry_message(broker: Broker, lease_db: str) -> N
     finally:
         task.run = original
     assert len(broker.sent("seams.step")) == 1  # no retry message
+    assert broker.sent("seams.sink") == []  # no replacement
     assert len(lease_seen) == 1
     assert lease_seen[0].lost
     with pytest.raises(StaleToken):

@@ -23,7 +23,7 @@ from celery_fenced.dialects import Completed, Delivery, Dialect, Grant, for_alia
 from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
 
-from .conftest import DATABASE_ALIASES
+from .conftest import DATABASE_ALIASES, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -520,39 +520,6 @@ def test_acquire__completion_committing_while_the_duplicate_waits_is_seen(
     thread.join(timeout=30)
     assert outcome == [Completed("t1", 0)]
     assert Lease.objects.using(alias).get(key="job").token == 1
-
-
-def wait_until_blocked(alias: str, thread: Any) -> None:
-    """Wait until ``thread``'s statement waits for a lock (PostgreSQL: by pg_stat_activity;
-    SQLite has no such view: the thread is then known to be alive, waiting or not yet)."""
-    import time
-
-    deadline = time.monotonic() + 30
-    if connections[alias].vendor != "postgresql":
-        thread.join(timeout=0.5)
-        assert thread.is_alive()
-        return
-    import psycopg
-
-    settings = connections[alias].settings_dict
-    with psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        password=settings["PASSWORD"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as watcher:
-        while time.monotonic() < deadline:
-            row = watcher.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            ).fetchone()
-            if row and row[0]:
-                return
-            assert thread.is_alive()
-            time.sleep(0.02)
-    raise AssertionError("the duplicate's statement never waited for the lease row")
 
 
 def test_acquire__store_raises_already_completed_and_marks_the_lease_row(alias: str) -> None:
