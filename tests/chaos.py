@@ -182,8 +182,8 @@ def restart_postgres() -> None:
         "120",
         "restart",
     ]
-    subprocess.run(
-        services._as_postgres(command),
+    services.run_as_postgres(
+        command,
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -243,3 +243,25 @@ def test_checker__job_received_only_during_the_restart_is_named() -> None:
         receipts={"t1": [began + dt.timedelta(seconds=1.5)]},
     )
     assert ("not-final", chaos.DB_ERROR_BEFORE_GRANT) in found
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(420)
+def test_chaos__long_form_entry_point_starts_its_own_servers(tmp_path: Path) -> None:
+    """``python -m tests.chaos --trials N`` as docs/reliability.md shows it: no FENCED_* servers
+    in the environment (it starts throwaway ones in its own ``mkdtemp`` folder, 0700), run
+    from a folder only its owner may enter. As root, initdb and pg_ctl run as ``postgres``,
+    which can enter neither."""
+    cwd = tmp_path / "private"
+    cwd.mkdir(mode=0o700)
+    report = tmp_path / "report.json"
+    env = {name: value for name, value in os.environ.items() if not name.startswith("FENCED_")}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "tests.chaos", "--trials", "4", "--json", str(report)]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=360)
+    print(run.stdout[-6000:], run.stderr[-6000:])
+    assert report.exists(), f"the runner did not finish (exit {run.returncode})"
+    assert run.returncode in (0, 1)  # 1: an invariant failed (the short form's business)
+    rows = json.loads(report.read_text())["rows"]
+    assert rows["trials (jobs)"] == 4
+    assert rows["PostgreSQL restarts"] == 1
