@@ -19,6 +19,7 @@ from django.db import connections
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
+from testproject.demo import chaos_tasks
 from testproject.demo.models import ChaosEntry, ChaosSlot
 
 from . import chaos
@@ -79,7 +80,19 @@ def test_chaos__short_form_keeps_every_invariant(tmp_path: Path) -> None:
 
 
 # -- the checker on hand-made histories ---------------------------------------------------
-db = pytest.mark.django_db(transaction=True)
+def db(test: Any) -> Any:
+    """A checker test: the databases of a transactional test, and an empty trace table."""
+    return pytest.mark.usefixtures("trace_table")(pytest.mark.django_db(transaction=True)(test))
+
+
+@pytest.fixture
+def trace_table() -> None:
+    """The trace table, empty (raw SQL, so a transactional test's flush does not clear it)."""
+    chaos_tasks.create_trace_table()
+    with connections["default"].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {chaos_tasks.TRACE}")
+
+
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
@@ -265,3 +278,136 @@ def test_chaos__long_form_entry_point_starts_its_own_servers(tmp_path: Path) -> 
     rows = json.loads(report.read_text())["rows"]
     assert rows["trials (jobs)"] == 4
     assert rows["PostgreSQL restarts"] == 1
+
+
+# -- the invariants at Celery's seams, on hand-made histories ------------------------------
+def trace(kind: str, task_id: str, parent_id: str, token: int | None, value: Any = None) -> None:
+    row = chaos_tasks.Trace(
+        0, kind, "chaos.step", "j", 0, task_id, parent_id, token, "", "w9", 0, value, None
+    )
+    chaos_tasks.record(row)
+
+
+def stored(task_id: str, token: int | None, status: str = "SUCCESS") -> dict[str, Any]:
+    value = {"job": "j", "step": 0, "task_id": task_id, "token": token}
+    TaskResult.objects.create(
+        task_id=task_id,
+        status=status,
+        result=json.dumps(value),
+        meta=json.dumps({"fencing_token": token}),
+    )
+    return value
+
+
+def seam_job(kind: str, ids: dict[str, str]) -> chaos.Job:
+    return chaos.Job("j", f"chaos.{kind}", next(iter(ids.values())), 0.0, kind=kind, ids=ids)
+
+
+def chain_history(case: str) -> chaos.Job:
+    v0 = stored("s0", 2)
+    v1 = stored("s1", 1)
+    stored("s2", 1)
+    trace("sent", "s1", "s0", 2)
+    trace("run", "s1", "s0", 1, v0)
+    trace("sent", "s2", "s1", 1)
+    trace("run", "s2", "s1", 1, v1)
+    if case == "stale-send":  # s0's first execution (token 1) sent s1 too
+        trace("sent", "s1", "s0", 1)
+    elif case == "sent-twice":
+        trace("sent", "s2", "s1", 1)
+    elif case == "stale-value":  # s1 ran with what s0's stale execution returned
+        trace("run", "s1", "s0", 1, {**v0, "token": 1})
+    return seam_job("chain", {"s0": "s0", "s1": "s1", "s2": "s2"})
+
+
+def chord_history(case: str) -> chaos.Job:
+    values = [stored(f"h{n}", 1) for n in range(3)]
+    stored("body", None)
+    if case != "never-fired":
+        trace("sent", "body", "h2", 1, values)
+        trace("run", "body", "h2", None, values)
+    if case == "fired-twice":  # a stale execution of h1 counted twice and sent it again
+        trace("sent", "body", "h1", 0, values)
+    elif case == "early":  # sent before every header had stored its result
+        trace("run", "body", "h1", None, values[:2])
+    return seam_job("chord", {"h0": "h0", "h1": "h1", "h2": "h2", "body": "body"})
+
+
+def link_history(case: str) -> chaos.Job:
+    failed = case in ("errback", "errback-twice", "callback-on-failure")
+    value = stored("p", 2, "FAILURE" if failed else "SUCCESS")
+    if failed:
+        stored("eb", None)
+        trace("sent", "eb", "p", 2, "p")
+        trace("run", "eb", "p", None, "p")
+    else:
+        stored("cb", None)
+        trace("sent", "cb", "p", 2, value)
+        trace("run", "cb", "p", None, value)
+    if case in ("errback-on-success", "errback-twice"):
+        trace("sent", "eb", "p", 2, "p")
+    elif case == "stale-errback":  # the stale execution (token 1) failed: its errback fired
+        trace("sent", "eb", "p", 1, "p")
+    elif case == "callback-on-failure":  # a stale execution succeeded and sent the callback
+        trace("sent", "cb", "p", 1, {**value, "token": 1})
+    job = seam_job("link", {"parent": "p", "link": "cb", "errback": "eb"})
+    job.fail = failed
+    return job
+
+
+@db
+@pytest.mark.parametrize(
+    ("history", "case", "expected"),
+    [
+        (chain_history, "clean", None),
+        (chain_history, "stale-send", "successor"),
+        (chain_history, "sent-twice", "successor"),
+        (chain_history, "stale-value", "successor"),
+        (chord_history, "clean", None),
+        (chord_history, "never-fired", "chord-body"),
+        (chord_history, "fired-twice", "chord-body"),
+        (chord_history, "early", "chord-body"),
+        (link_history, "clean", None),
+        (link_history, "errback", None),
+        (link_history, "errback-on-success", "errback"),
+        (link_history, "errback-twice", "errback"),
+        (link_history, "stale-errback", "errback"),
+        (link_history, "callback-on-failure", "successor"),
+    ],
+)
+def test_checker__messages_sent_for_a_task_are_counted(
+    history: Any, case: str, expected: str | None
+) -> None:
+    job = history(case)
+    found = {kind for kind, _ in run_check([job])}
+    if expected is None:
+        assert found == set()
+    else:
+        assert expected in found
+        assert found <= {expected, "successor"}  # a stale value may show on its edge too
+
+
+@db
+@pytest.mark.parametrize("stopped", [False, True])
+def test_checker__grant_ended_while_its_holder_ran(stopped: bool) -> None:
+    lease = grant("step:j:0", 1, "w1-abc@vm:10:1", "t1", 0)
+    for kind, when in (("force_released", 1), ("stale_write_rejected", 1.5)):
+        LeaseEvent.objects.create(
+            lease=lease, kind=kind, token=1, task_id="t1", owner=lease.owner, at=at(when)
+        )
+    stops = [["w1-abc@", at(-1), at(0.5)]] if stopped else []
+    found = run_check([], stops=stops)
+    assert found == ([] if stopped else [("ended-by-other", "")])
+
+
+@db
+@pytest.mark.parametrize("asked", [False, True])
+def test_checker__completed_task_run_again(asked: bool) -> None:
+    first = grant("step:j:0", 1, "a", "t1", 0)
+    release(first, 1, 1)
+    grant("step:j:0", 2, "b", "t1", 2)
+    trace("run", "t1", "", 2)
+    if asked:  # the completed execution itself sent the retry
+        trace("sent", "t1", "t1", 1)
+    found = run_check([])
+    assert found == ([] if asked else [("completed-rerun", "")])
