@@ -191,10 +191,24 @@ def awaited(job: Job, status: dict[str, str]) -> list[str]:
     return list(ids.values())
 
 
-def final_states(job: Job) -> tuple[str, ...]:
+def sent_by_runner(job: Job) -> list[str]:
+    """The task ids the runner itself sent (the others are sent by workers, or never)."""
+    ids = job.ids or {"task": job.task_id}
+    roles = {"chain": ["s0"], "chord": ["h0", "h1", "h2"], "link": ["parent"]}.get(job.kind)
+    return list(ids.values()) if roles is None else [ids[role] for role in roles]
+
+
+def accepted(job: Job, status: str, result: str | None) -> bool:
+    """Whether a task of ``job`` may end in ``status`` (with ``result``, the stored JSON)."""
     if job.kind == "link" and job.fail:
-        return ("SUCCESS", "FAILURE")  # the parent fails; its errback succeeds
-    return ACCEPTED.get(job.kind, ("SUCCESS",))
+        return status in ("SUCCESS", "FAILURE")  # the parent fails; its errback succeeds
+    if job.kind == "compete" and status == "FAILURE":
+        # R2: a job whose expired grant the other job took over fails with StaleToken
+        try:
+            return bool(json.loads(result or "{}").get("exc_type") == "StaleToken")
+        except (ValueError, AttributeError):
+            return False
+    return status in ACCEPTED.get(job.kind, ("SUCCESS",))
 
 
 # -- checking ----------------------------------------------------------------------------
