@@ -411,3 +411,27 @@ def test_checker__completed_task_run_again(asked: bool) -> None:
         trace("sent", "t1", "t1", 1)
     found = run_check([])
     assert found == ([] if asked else [("completed-rerun", "")])
+
+
+@db
+def test_checker__chord_body_never_sent_is_not_lost_in_the_broker() -> None:
+    job = chord_history("never-fired")
+    TaskResult.objects.filter(task_id="body").delete()
+    job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
+    found = run_check([job], kill_times=[dt.datetime(2026, 1, 1, 12, 0, 1)])
+    assert sorted(found) == [("chord-body", ""), ("not-final", "")]
+
+
+@db
+@pytest.mark.parametrize(
+    ("exc_type", "expected"), [("StaleToken", []), ("ValueError", [("failed", "")])]
+)
+def test_checker__competing_job_may_fail_only_with_stale_token(
+    exc_type: str, expected: list[tuple[str, str]]
+) -> None:
+    job = seam_job("compete", {"a": "a", "b": "b"})
+    stored("a", 2)
+    TaskResult.objects.create(
+        task_id="b", status="FAILURE", result=json.dumps({"exc_type": exc_type})
+    )
+    assert run_check([job]) == expected
