@@ -331,10 +331,7 @@ def _edge(
         elif run.value != value:
             problems.append(f"ran with {_short(run.value)}, the parent stored {_short(value)}")
     what = {"successor": "successor/callback", "errback": "errback"}[kind]
-    return [
-        (kind, job.name, f"{job.name}: {what} {child_id[:8]} of {parent_id[:8]} {p}")
-        for p in problems
-    ]
+    return _one(kind, job, f"{what} {child_id[:8]} of {parent_id[:8]}", problems)
 
 
 def _chord(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
@@ -360,7 +357,14 @@ def _chord(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
     for run in seams.runs.get(body_id, []):
         if run.value != value:
             problems.append(f"ran with {_short(run.value)}, the headers stored {_short(value)}")
-    return [("chord-body", job.name, f"{job.name}: body {body_id[:8]} {p}") for p in problems]
+    return _one("chord-body", job, f"body {body_id[:8]}", problems)
+
+
+def _one(kind: str, job: Job, what: str, problems: list[str]) -> list[tuple[str, str, str]]:
+    """One violation per message with problems (counted once), naming them all."""
+    if not problems:
+        return []
+    return [(kind, job.name, f"{job.name}: {what} " + "; ".join(problems))]
 
 
 def _excused(owner: str, moment: Any, seams: Seams) -> bool:
