@@ -236,6 +236,9 @@ class Runner:
         self.slots: list[Slot] = []
         self.dead: dict[str, Any] = {}  # hostname prefix of a killed worker -> DB time
         self.reclaim = _reclaimer()
+        # a re-sent job that no worker ever granted (Redis lost the message to a kill) is
+        # sent again after this, not after the default five minutes: within the drain
+        app.conf.fenced_reclaim_resend_after = 2 * options.ttl + options.visibility
         self.sender = workload.Sender(app, self.queue, self.rng, options.ttl, options.work)
         self._restart: threading.Thread | None = None
         self._next_monitor = 0.0

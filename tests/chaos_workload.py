@@ -146,7 +146,7 @@ class Sender:
 
     def send_limit(self, name: str) -> Job:
         limit = "time_limit" if self.rng.random() < 0.5 else "soft_time_limit"
-        seconds = self.rng.choice([0.2, 2.5]) * self.ttl / 2  # under or over the limit
+        seconds = self.rng.choice([0.2, 2.5, 2.5]) * self.ttl / 2  # under or (2 in 3) over it
         options = {limit: self.ttl / 2}
         result = self.sig("chaos.step", (None, name, 0), {"seconds": seconds}, **options)
         return self._job(name, "limit", {"task": result.apply_async().id})
