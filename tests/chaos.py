@@ -239,7 +239,9 @@ class Runner:
         # a re-sent job that no worker ever granted (Redis lost the message to a kill) is
         # sent again after this, not after the default five minutes: within the drain
         app.conf.fenced_reclaim_resend_after = 2 * options.ttl + options.visibility
-        self.sender = workload.Sender(app, self.queue, self.rng, options.ttl, options.work)
+        # its own generator: the seed alone decides the jobs (the chaos depends on timing too)
+        jobs_rng = random.Random(options.seed)
+        self.sender = workload.Sender(app, self.queue, jobs_rng, options.ttl, options.work)
         self._restart: threading.Thread | None = None
         self._next_monitor = 0.0
         self._next_reclaim = 0.0

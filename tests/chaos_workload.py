@@ -370,8 +370,10 @@ def _one(kind: str, job: Job, what: str, problems: list[str]) -> list[tuple[str,
 def _excused(owner: str, moment: Any, seams: Seams) -> bool:
     """The holder's process was stopped or killed, or the database restarted, lately."""
     span = dt.timedelta(seconds=seams.ttl + seams.slack)
-    for prefix, begin, end in seams.stops:
-        if owner.startswith(prefix) and begin <= moment and (end is None or end >= moment - span):
+    for prefix, begin, end in seams.stops:  # begin None: the database could not be asked
+        if not owner.startswith(prefix) or (begin is not None and begin > moment):
+            continue
+        if end is None or end >= moment - span:
             return True
     if seams.pg_window is not None:
         begin, end = seams.pg_window
