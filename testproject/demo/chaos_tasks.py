@@ -375,6 +375,10 @@ FENCED_STEP: dict[str, Any] = {
 }
 
 
+#: plain tasks acknowledge late too: a worker killed while running one loses no message
+PLAIN: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_worker_lost": True, **RETRY}
+
+
 @shared_task(name="chaos.step", lease_key="step:{job}:{step}", **FENCED_STEP)
 def step(
     self: Any, value: Any, job: str, step: int, seconds: float = 0.0, fail: bool = False
@@ -399,19 +403,19 @@ def fenced_body(self: Any, results: Any, job: str) -> Any:
     return _step(self, results, job, 99, 0.0, False)
 
 
-@shared_task(bind=True, name="chaos.body", **RETRY)
+@shared_task(name="chaos.body", **PLAIN)
 def body(self: Any, results: Any, job: str) -> Any:
     """A plain chord body."""
     return _step(self, results, job, 99, 0.0, False)
 
 
-@shared_task(bind=True, name="chaos.callback", **RETRY)
+@shared_task(name="chaos.callback", **PLAIN)
 def callback(self: Any, value: Any, job: str) -> Any:
     """A plain ``link`` callback: receives the parent's return value."""
     return _step(self, value, job, 100, 0.0, False)
 
 
-@shared_task(bind=True, name="chaos.errback", **RETRY)
+@shared_task(name="chaos.errback", **PLAIN)
 def errback(self: Any, task_id: str, *, job: str = "") -> Any:
     """A plain ``link_error`` callback, called the old way (one positional: the task id)."""
     return _step(self, task_id, job, 101, 0.0, False)
