@@ -149,6 +149,7 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         "FENCED_TASKS_JSON": json.dumps({"chaos.configured": {"ttl": options.ttl}}),
         "FENCED_CHAOS_TTL": str(options.ttl),
         "FENCED_CHAOS_SABOTAGE": "1" if options.sabotage else "0",
+        "FENCED_CHAOS_TRACE": "1",  # the tasks record the messages they send
     }
     os.environ.update(env)
     import django
