@@ -352,9 +352,12 @@ def _chord(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
                 f"sent by {s.parent_id[:8]} under token {s.token} (worker {s.worker}), not by "
                 f"a header's stored execution ({ {h[:8]: t for h, t in tokens.items()} })"
             )
-    if complete and len(current) != 1:
+    runs = seams.runs.get(body_id, [])
+    if complete and len(current) > 1:
         problems.append(f"sent {len(current)}x by the headers' current executions")
-    for run in seams.runs.get(body_id, []):
+    if complete and not current and not runs:
+        problems.append("never sent, though every header succeeded")
+    for run in runs:
         if run.value != value:
             problems.append(f"ran with {_short(run.value)}, the headers stored {_short(value)}")
     return _one("chord-body", job, f"body {body_id[:8]}", problems)
