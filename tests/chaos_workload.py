@@ -16,7 +16,8 @@ b. ``chord-body``: each chord body is sent once, by a header's current execution
    only with the headers' stored results.
 c. ``ended-by-other``: no grant is force-released while its holder still runs (the holder
    has a refused write or a ``lost`` event under that token after the ``force_released``
-   event) unless the holder was stopped or killed, or the database restarted, within a ttl.
+   event) unless the holder was stopped or killed, or the database restarted, between its
+   grant and the force-release (it may have been past its expiry).
 d. ``completed-rerun``: no body runs under a grant taken after its task id's final release
    (a ``released`` event in state SUCCESS/FAILURE), unless the completed execution itself
    sent the retry that ran.
@@ -370,23 +371,25 @@ def _one(kind: str, job: Job, what: str, problems: list[str]) -> list[tuple[str,
     return [(kind, job.name, f"{job.name}: {what} " + "; ".join(problems))]
 
 
-def _excused(owner: str, moment: Any, seams: Seams) -> bool:
-    """The holder's process was stopped or killed, or the database restarted, lately."""
-    span = dt.timedelta(seconds=seams.ttl + seams.slack)
+def _excused(owner: str, granted: Any, moment: Any, seams: Seams) -> bool:
+    """The holder's process was stopped or killed, or the database restarted, between the
+    grant (``granted``) and its force-release (``moment``): it may have been past expiry."""
     for prefix, begin, end in seams.stops:  # begin None: the database could not be asked
         if not owner.startswith(prefix) or (begin is not None and begin > moment):
             continue
-        if end is None or end >= moment - span:
+        if end is None or granted is None or end >= granted:
             return True
     if seams.pg_window is not None:
         begin, end = seams.pg_window
-        return bool(begin - span <= moment <= end + span)
+        slack = dt.timedelta(seconds=seams.slack)
+        return bool(begin <= moment and (granted is None or end + slack >= granted))
     return False
 
 
 def _ended_by_other(seams: Seams) -> list[tuple[str, str, str]]:
     found = []
     for key, events in seams.history.items():
+        granted = {e.token: e.at for e in events if e.kind in GRANTS}
         for ended in (e for e in events if e.kind == "force_released"):
             later = [
                 e
@@ -395,7 +398,7 @@ def _ended_by_other(seams: Seams) -> list[tuple[str, str, str]]:
                 and e.token == ended.token
                 and e.kind in ("stale_write_rejected", "lost")
             ]
-            if later and not _excused(ended.owner, ended.at, seams):
+            if later and not _excused(ended.owner, granted.get(ended.token), ended.at, seams):
                 found.append(
                     (
                         "ended-by-other",

@@ -391,16 +391,28 @@ def test_checker__messages_sent_for_a_task_are_counted(
 
 
 @db
-@pytest.mark.parametrize("stopped", [False, True])
-def test_checker__grant_ended_while_its_holder_ran(stopped: bool) -> None:
+@pytest.mark.parametrize(
+    ("stopped", "expected"),
+    [
+        (None, [("ended-by-other", "")]),
+        ((-1, 0.5), []),  # stopped while it held the grant: it may have been past expiry
+        ((0.5, None), []),  # killed
+        ((-3, -1), [("ended-by-other", "")]),  # stopped before its grant: no excuse
+    ],
+)
+def test_checker__grant_ended_while_its_holder_ran(
+    stopped: tuple[float, float | None] | None, expected: list[tuple[str, str]]
+) -> None:
     lease = grant("step:j:0", 1, "w1-abc@vm:10:1", "t1", 0)
     for kind, when in (("force_released", 1), ("stale_write_rejected", 1.5)):
         LeaseEvent.objects.create(
             lease=lease, kind=kind, token=1, task_id="t1", owner=lease.owner, at=at(when)
         )
-    stops = [["w1-abc@", at(-1), at(0.5)]] if stopped else []
-    found = run_check([], stops=stops)
-    assert found == ([] if stopped else [("ended-by-other", "")])
+    stops = []
+    if stopped is not None:
+        begin, end = stopped
+        stops = [["w1-abc@", at(begin), None if end is None else at(end)]]
+    assert run_check([], stops=stops) == expected
 
 
 @db
