@@ -182,10 +182,14 @@ def awaited(job: Job, status: dict[str, str]) -> list[str]:
     ids = job.ids or {"task": job.task_id}
     if job.kind == "chain":
         chain = [ids["s0"], ids["s1"], ids["s2"]]
-        for n, task_id in enumerate(chain):  # a step that did not succeed sends no successor
-            if status.get(task_id) in FINAL and status[task_id] != "SUCCESS":
+        for n, task_id in enumerate(chain):  # a step that has not succeeded sent no successor
+            if status.get(task_id) != "SUCCESS":
                 return chain[: n + 1]
         return chain
+    if job.kind == "chord":  # the body once every header ended (else it is never sent)
+        headers = [ids["h0"], ids["h1"], ids["h2"]]
+        ended = all(status.get(h) in FINAL for h in headers)
+        return [*headers, ids["body"]] if ended else headers
     if job.kind == "link":
         after = {"SUCCESS": [ids["link"]], "FAILURE": [ids["errback"]]}
         return [ids["parent"], *after.get(status.get(ids["parent"], ""), [])]

@@ -450,3 +450,11 @@ def test_checker__competing_job_may_fail_only_with_stale_token(
         task_id="b", status="FAILURE", result=json.dumps({"exc_type": exc_type})
     )
     assert run_check([job]) == expected
+
+
+@db
+def test_checker__chain_whose_first_step_the_broker_lost_is_one_loss() -> None:
+    job = seam_job("chain", {"s0": "s0", "s1": "s1", "s2": "s2"})
+    job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
+    found = run_check([job], kill_times=[dt.datetime(2026, 1, 1, 12, 0, 1)])
+    assert found == [("not-final", chaos.LOST_IN_BROKER)]
