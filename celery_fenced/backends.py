@@ -67,18 +67,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         store_result: bool = True,
         state: str = states.SUCCESS,
     ) -> None:
-        lease = lease_of(request)
-        if lease is None:
-            super().mark_as_done(task_id, result, request, store_result, state)
-            return
-
         def drive() -> None:
             workflow.send_successors(self.app, task_id, request, result)
             super(FencedDatabaseBackend, self).mark_as_done(
                 task_id, result, request, store_result, state
             )
 
-        self._settle(task_id, result, state, request, lease, drive)
+        self._report(task_id, result, state, request, drive)
 
     def mark_as_failure(
         self,
