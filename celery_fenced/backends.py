@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from celery import states
-from django.db import connections, router, transaction
+from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
@@ -42,6 +43,8 @@ from celery_fenced.store import HeldLease
 logger = logging.getLogger(__name__)
 
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
+#: pauses (seconds) between attempts to settle a final outcome while the database is away
+SETTLE_RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 class _Refused(Exception):
@@ -169,40 +172,72 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         is recorded (R2). Returns whether it was proven.
         """
         releasing = status in RELEASING_STATES
-        try:
-            with transaction.atomic(using=lease.alias):
-                dialect = dialects.for_alias(lease.alias)
-                if releasing:
-                    # one statement proves the token current and releases the grant; a
-                    # write that fails below rolls the release back with it
-                    ok, current = dialect.release_current(
-                        lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery
-                    )
-                else:
-                    ok, current = dialect.prove_current(lease.key, lease.token)
-                if not ok:
-                    raise _Refused(current)
-                if not releasing or task_id != lease.task_id:
-                    dialect.lock_for_result(task_id)  # release_current took lease.task_id's
-                request.meta = {
-                    **(getattr(request, "meta", None) or {}),
-                    "fencing_token": lease.token,
-                    "lease_key": lease.key,
-                }
-                request._fenced_proven = lease
-                try:
-                    then()
-                finally:
-                    request._fenced_proven = None
-        except _Refused as refused:
-            self._refuse(task_id, result, status, request, lease, refused.current)
-            return False
+        for pause in (*SETTLE_RETRY_PAUSES, None):
+            try:
+                self._prove_then(task_id, status, request, lease, releasing, then)
+                break
+            except _Refused as refused:
+                if refused.current == lease.token and self._settled_by(task_id, lease):
+                    break  # a commit whose answer was lost with the connection: settled
+                self._refuse(task_id, result, status, request, lease, refused.current)
+                return False
+            except (OperationalError, InterfaceError) as exc:
+                # The database went away (a restart, a failover): the transaction is gone
+                # with it, so nothing of ``then`` stands. A final outcome is settled again
+                # when it is back, instead of turning a done job into a FAILURE.
+                connection = connections[lease.alias]
+                if pause is None or not releasing or connection.in_atomic_block:
+                    raise
+                logger.warning(
+                    "could not settle %s of task %s (%s); trying again in %.1f s",
+                    status,
+                    task_id,
+                    exc,
+                    pause,
+                    extra={"task_id": task_id, "lease_key": lease.key},
+                )
+                connection.close()
+                time.sleep(pause)
         if releasing:
             from celery_fenced.renewal import renewer
 
             renewer().unregister(lease)
             lease.ended()
         return True
+
+    def _prove_then(
+        self,
+        task_id: str,
+        status: str,
+        request: Any,
+        lease: HeldLease,
+        releasing: bool,
+        then: Callable[[], None],
+    ) -> None:
+        with transaction.atomic(using=lease.alias):
+            dialect = dialects.for_alias(lease.alias)
+            if releasing:
+                # one statement proves the token current and releases the grant; a
+                # write that fails below rolls the release back with it
+                ok, current = dialect.release_current(
+                    lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery
+                )
+            else:
+                ok, current = dialect.prove_current(lease.key, lease.token)
+            if not ok:
+                raise _Refused(current)
+            if not releasing or task_id != lease.task_id:
+                dialect.lock_for_result(task_id)  # release_current took lease.task_id's
+            request.meta = {
+                **(getattr(request, "meta", None) or {}),
+                "fencing_token": lease.token,
+                "lease_key": lease.key,
+            }
+            request._fenced_proven = lease
+            try:
+                then()
+            finally:
+                request._fenced_proven = None
 
     def _write_row(
         self, task_id: str, result: Any, status: str, traceback: Any, request: Any, using: Any
@@ -281,6 +316,26 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 "stale_fencing_token": lease.token,
             }
             super()._store_result(task_id, failure, states.FAILURE, None, request, None)
+
+    def _settled_by(self, task_id: str, lease: HeldLease) -> bool:
+        """Whether ``task_id``'s row holds a final result written under ``lease``."""
+        row = (
+            self.TaskModel._default_manager.using(router.db_for_write(self.TaskModel))
+            .filter(task_id=task_id, status__in=states.READY_STATES)
+            .values_list("meta", flat=True)
+            .first()
+        )
+        if not row:
+            return False
+        try:
+            meta = self.decode(row)
+        except Exception:
+            return False
+        return (
+            isinstance(meta, dict)
+            and meta.get("fencing_token") == lease.token
+            and meta.get("lease_key") == lease.key
+        )
 
     # -- untokened writes -----------------------------------------------------------------
     def _is_fenced(self, request: Any) -> bool:

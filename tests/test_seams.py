@@ -387,3 +387,47 @@ def test_stale_retry_or_replace__sends_nothing(broker: Broker, lease_db: str, ho
     assert lease_seen[0].lost
     with pytest.raises(StaleToken):
         lease_seen[0].guard().__enter__()
+
+
+# -- the database goes away while a result settles: the outcome is settled again -----------
+def test_connection_lost_before_the_result__success_settles_once_back(
+    broker: Broker, lease_db: str
+) -> None:
+    """A done job does not become a FAILURE because the database dropped the connection
+    just before its result transaction (a restart, a failover)."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    import psycopg
+
+    app = broker.app
+    task = app.tasks["seams.step"]
+    original = task.run
+
+    def run(value: str) -> str:
+        connection = connections[lease_db]
+        connection.ensure_connection()
+        pid = connection.connection.info.backend_pid
+        settings = connection.settings_dict
+        with psycopg.connect(
+            host=settings["HOST"],
+            port=settings["PORT"],
+            user=settings["USER"],
+            password=settings["PASSWORD"],
+            dbname=settings["NAME"],
+            autocommit=True,
+        ) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        return f"{value}@{task.request.fencing_token}"
+
+    task.run = run
+    try:
+        app.signature("seams.step", ("c",)).apply_async()
+        deliver(app, broker.one("seams.step"))
+    finally:
+        task.run = original
+    task_id = broker.one("seams.step")[0]["id"]
+    assert status(lease_db, task_id) == ("SUCCESS", '"c@1"')
+    lease = Lease.objects.using(lease_db).get(task_id=task_id)
+    assert lease.released_at is not None
+    kinds = set(LeaseEvent.objects.using(lease_db).values_list("kind", flat=True))
+    assert not kinds & {"lost", "stale_write_rejected"}
