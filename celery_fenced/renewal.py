@@ -68,7 +68,10 @@ class Renewer:
                 due = [
                     x for x in leases if now >= x._confirmed_at + x.renew_interval * BATCH_SHARE
                 ]
-            self.renew(due)
+            try:
+                self.renew(due)
+            except Exception:  # nothing may stop the thread: every other lease needs it
+                logger.exception("lease renewal failed; will retry")
             with self._cond:
                 for lease in due:
                     if lease.lost or lease.released:

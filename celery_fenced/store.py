@@ -177,8 +177,9 @@ class HeldLease:
     def ended(self) -> None:
         """This grant's release has committed: mark it released and tell the receivers."""
         self.released = True
-        signals.lease_released.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_released,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -239,8 +240,9 @@ class HeldLease:
             )
         except Exception:  # the database may be what failed; the event is best effort
             logger.info("could not record the lost event for %r", self.key, exc_info=True)
-        signals.lease_lost.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_lost,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -313,8 +315,9 @@ def acquire(
         retries=retries,
     )
     lease._confirmed_at = sent
-    signals.lease_acquired.send(
-        sender=Lease,
+    signals.send(
+        signals.lease_acquired,
+        Lease,
         key=key,
         token=lease.token,
         owner=owner,
@@ -345,8 +348,8 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
         by or "-",
         extra={"lease_key": key, "fencing_token": token, "lease_owner": owner},
     )
-    signals.lease_released.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id="", forced=True
+    signals.send(
+        signals.lease_released, Lease, key=key, token=token, owner=owner, task_id="", forced=True
     )
     return token
 
@@ -369,8 +372,9 @@ def end_task_grants(task_id: str, *, by: str, using: str | None = None) -> list[
         outcome = dialects.for_alias(alias).force_release(key, by, task_id=task_id)
         if outcome is not None:
             ended.append(outcome[0])
-            signals.lease_released.send(
-                sender=Lease,
+            signals.send(
+                signals.lease_released,
+                Lease,
                 key=key,
                 token=outcome[0],
                 owner=outcome[1],
@@ -411,8 +415,14 @@ def reject_stale(
             )
     except Exception:
         logger.info("could not record the stale_write_rejected event", exc_info=True)
-    signals.stale_write_rejected.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id=task_id, current=current
+    signals.send(
+        signals.stale_write_rejected,
+        Lease,
+        key=key,
+        token=token,
+        owner=owner,
+        task_id=task_id,
+        current=current,
     )
     return StaleToken(key, token, current)
 
