@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from django.db import models, transaction
+from django.db import models, router, transaction
 from django.db.models import Q, QuerySet
 
 from celery_fenced import store
@@ -55,7 +55,11 @@ def fenced_update(
     if field in values:
         raise ValueError(f"{field!r} is stamped by fenced_update; do not pass it in values")
 
-    alias = queryset.db
+    # the write database: a read queryset's .db is the router's db_for_read (a replica),
+    # where the check would run in a transaction that does not hold the update
+    explicit: str | None = getattr(queryset, "_db", None)  # set by .using()
+    alias = explicit or router.db_for_write(model, **getattr(queryset, "_hints", {}))
+    queryset = queryset.using(alias)
 
     def run() -> int:
         with transaction.atomic(using=alias):

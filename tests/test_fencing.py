@@ -6,7 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connections
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 
 from celery_fenced import StaleToken, acquire, context, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
@@ -166,3 +168,45 @@ def test_fenced_update__guard_of_another_key_does_not_prove_the_current_lease(
     with pytest.raises(StaleToken), other.guard():
         fenced_update(queryset, token=stale.token, body="stale")
     assert rows(alias) == [("r0", "old", 0)]
+
+
+@pytest.fixture
+def primary_replica(alias: str, settings: Any) -> Iterator[str]:
+    """Reads routed to ``alias``'s replica (the same database, another connection)."""
+    from . import routers
+
+    routers.TARGET = alias
+    settings.DATABASE_ROUTERS = ["tests.routers.PrimaryReplica"]
+    yield alias
+    routers.TARGET = "default"
+
+
+replicated = pytest.mark.django_db(
+    transaction=True, databases=[*DATABASE_ALIASES, *(f"{a}_replica" for a in DATABASE_ALIASES)]
+)
+
+
+@replicated
+def test_fenced_update__routed_queryset_checks_and_writes_on_the_primary(
+    primary_replica: str,
+) -> None:
+    alias = primary_replica
+    reports(alias, 1, 5)
+    queryset = Report.objects.all()  # not .using(): the router picks the databases
+    assert queryset.db == f"{alias}_replica"
+    with pytest.raises(StaleToken) as stale:
+        fenced_update(queryset, token=3, body="new")
+    assert stale.value.current == 5
+    assert rows(alias) == [("r0", "old", 1), ("r1", "old", 5)]  # nothing partly written
+    assert fenced_update(Report.objects.filter(name="r0"), token=3, body="new") == 1
+    assert rows(alias) == [("r0", "new", 3), ("r1", "old", 5)]
+
+
+@replicated
+def test_fenced_update__explicit_using_is_kept(primary_replica: str) -> None:
+    alias = primary_replica
+    reports(alias, 1)
+    with CaptureQueriesContext(connections[f"{alias}_replica"]) as on_replica:
+        assert fenced_update(Report.objects.using(alias), token=2, body="new") == 1
+    assert not on_replica.captured_queries
+    assert rows(alias) == [("r0", "new", 2)]
