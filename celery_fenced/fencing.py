@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from django.db import models, router, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
 
 from celery_fenced import store
 from celery_fenced.context import current_lease
@@ -17,6 +17,12 @@ class FencingTokenField(models.BigIntegerField):  # type: ignore[type-arg]
     """The fencing token of the row's last fenced writer (0 before any).
 
     ``fencing_token = FencingTokenField()`` is all a model needs for :func:`fenced_update`.
+
+    Only a fenced write sets it: :func:`fenced_update`, or a ``save()`` inside a
+    ``guard()`` holding the very token the instance carries. Any other ``save()`` leaves
+    the column as it is in the database (an instance read earlier holds an older token,
+    which must not be written back) and inserts 0. ``QuerySet.update()`` and
+    ``bulk_update()`` write what they are given: explicit writes, the caller's own.
     """
 
     description = "Fencing token of the last writer"
@@ -25,6 +31,21 @@ class FencingTokenField(models.BigIntegerField):  # type: ignore[type-arg]
         kwargs.setdefault("default", 0)
         kwargs.setdefault("db_index", False)
         super().__init__(*args, **kwargs)
+
+    def pre_save(self, model_instance: models.Model, add: bool) -> Any:
+        value = getattr(model_instance, self.attname)
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and store.in_guard_of_token(value)
+        ):
+            return value
+        if add:
+            setattr(model_instance, self.attname, 0)  # what the row holds
+            return 0
+        # the column keeps its value (an F() cannot be inserted: inserts write 0 above);
+        # the instance keeps the value it was read with
+        return F(self.attname)
 
 
 class _Newer(Exception):

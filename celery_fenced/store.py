@@ -488,3 +488,8 @@ def current_grant(key: str, *, using: str | None = None) -> tuple[int, str, bool
 def in_guard(key: str, token: int) -> bool:
     """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
     return any(k == key and t == token for _, k, t in _guards.get())
+
+
+def in_guard_of_token(token: int) -> bool:
+    """True inside a guard() holding ``token``, whatever its key."""
+    return any(t == token for _, _, t in _guards.get())

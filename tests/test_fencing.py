@@ -23,7 +23,8 @@ db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 def reports(alias: str, *tokens: int) -> Any:
     """Rows with these tokens; returns the queryset of all of them."""
     for i, token in enumerate(tokens):
-        Report.objects.using(alias).create(name=f"r{i}", body="old", fencing_token=token)
+        report = Report.objects.using(alias).create(name=f"r{i}", body="old")
+        Report.objects.using(alias).filter(pk=report.pk).update(fencing_token=token)
     return Report.objects.using(alias).all()
 
 
@@ -210,3 +211,51 @@ def test_fenced_update__explicit_using_is_kept(primary_replica: str) -> None:
         assert fenced_update(Report.objects.using(alias), token=2, body="new") == 1
     assert not on_replica.captured_queries
     assert rows(alias) == [("r0", "new", 2)]
+
+
+@db
+def test_save__instance_read_earlier_does_not_write_its_older_token_back(alias: str) -> None:
+    reports(alias, 1)
+    report = Report.objects.using(alias).get(name="r0")  # read under token 1
+    fenced_update(Report.objects.using(alias).filter(pk=report.pk), token=5, body="by 5")
+    report.built_by = "an unfenced save"
+    report.save()
+    assert rows(alias) == [("r0", "old", 5)]  # the save wrote its fields, not its token
+    assert Report.objects.using(alias).get(pk=report.pk).built_by == "an unfenced save"
+    assert report.fencing_token == 1  # the instance keeps what it read, not an expression
+    with pytest.raises(StaleToken) as stale:
+        fenced_update(Report.objects.using(alias).filter(pk=report.pk), token=3, body="by 3")
+    assert stale.value.current == 5
+    assert rows(alias) == [("r0", "old", 5)]
+
+
+@db
+@pytest.mark.parametrize("how", ["save", "create", "bulk_create"])
+def test_save__insert_writes_no_token(alias: str, how: str) -> None:
+    report = Report(name="r0", body="old", fencing_token=9)
+    if how == "save":
+        report.save(using=alias)
+    elif how == "create":
+        report = Report.objects.using(alias).create(name="r0", body="old", fencing_token=9)
+    else:
+        Report.objects.using(alias).bulk_create([report])
+    assert rows(alias) == [("r0", "old", 0)]
+    assert report.fencing_token == 0
+
+
+@db
+def test_save__inside_a_guard_holding_the_token_sets_it(alias: str) -> None:
+    lease = acquire("report:1", ttl=30, using=alias)
+    reports(alias, 0)
+    report = Report.objects.using(alias).get(name="r0")
+    with lease.guard():
+        report.fencing_token = lease.token + 1  # not the guard's token: kept as stored
+        report.save()
+        assert rows(alias) == [("r0", "old", 0)]
+        report.fencing_token = lease.token
+        report.save()
+        Report.objects.using(alias).create(name="r1", body="new", fencing_token=lease.token)
+    assert rows(alias) == [("r0", "old", 1), ("r1", "new", 1)]
+    report.fencing_token = 7
+    report.save()  # outside the guard: kept as stored
+    assert rows(alias) == [("r0", "old", 1), ("r1", "new", 1)]
