@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any, TypeVar
 
 from django.db import models, router, transaction
@@ -97,18 +98,30 @@ def fenced_update(
             return updated
 
     lease = current_lease()
-    proven = lease is not None and store.in_guard(lease.key, token)
+    if lease is None:
+        # another thread of a fenced execution (a context variable is not inherited by
+        # threads): the leases this process holds under that token, every one proven
+        from celery_fenced.renewal import renewer
+
+        holders = renewer().holding(token)
+    else:
+        holders = [lease] if lease.token == token else []
+    if holders:
+        lease = holders[0]
     try:
-        if lease is not None and lease.token == token and not proven:
-            with store.fenced_transaction(
-                lease.key,
-                token,
-                using=lease.alias,
-                lease=lease,
-                what=f"update of {model._meta.label}",
-            ):
-                return run()
-        return run()
+        with ExitStack() as proofs:
+            for holder in holders:
+                if not store.in_guard(holder.key, token):
+                    proofs.enter_context(
+                        store.fenced_transaction(
+                            holder.key,
+                            token,
+                            using=holder.alias,
+                            lease=holder,
+                            what=f"update of {model._meta.label}",
+                        )
+                    )
+            return run()
     except _Newer as newer:
         key = lease.key if lease is not None and lease.token == token else model._meta.label
         raise store.reject_stale(

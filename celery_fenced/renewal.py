@@ -27,6 +27,8 @@ BATCH_SHARE = 0.6
 class Renewer:
     def __init__(self) -> None:
         self._leases: dict[int, HeldLease] = {}
+        # found lost, not yet unregistered by their execution: still this process's
+        self._lost: dict[int, HeldLease] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -43,10 +45,22 @@ class Renewer:
     def unregister(self, lease: HeldLease) -> None:
         with self._cond:
             self._leases.pop(id(lease), None)
+            self._lost.pop(id(lease), None)
 
     def held(self) -> list[HeldLease]:
         with self._cond:
             return list(self._leases.values())
+
+    def holding(self, token: int) -> list[HeldLease]:
+        """The registered leases under ``token``, those found lost included.
+
+        A lease stays registered until its execution ends: this is how code running in
+        another thread of that execution (where :func:`~celery_fenced.current_lease` is
+        None) finds the lease its token belongs to.
+        """
+        with self._cond:
+            leases = [*self._leases.values(), *self._lost.values()]
+        return [lease for lease in leases if lease.token == token]
 
     def _run(self) -> None:
         while True:
@@ -74,8 +88,10 @@ class Renewer:
                 logger.exception("lease renewal failed; will retry")
             with self._cond:
                 for lease in due:
-                    if lease.lost or lease.released:
-                        self._leases.pop(id(lease), None)
+                    if not (lease.lost or lease.released):
+                        continue
+                    if self._leases.pop(id(lease), None) is not None and not lease.released:
+                        self._lost[id(lease)] = lease  # until its execution unregisters it
 
     def renew(self, leases: list[HeldLease]) -> None:
         """Renew ``leases`` with one statement per database; mark the refused ones lost."""

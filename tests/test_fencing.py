@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,12 +12,14 @@ from django.db import connections
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 
-from celery_fenced import StaleToken, acquire, context, fenced_update
+from celery_fenced import FencedTask, StaleToken, acquire, context, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.renewal import renewer
 from celery_fenced.store import HeldLease
 from testproject.demo.models import Report
 
 from .conftest import DATABASE_ALIASES
+from .tracing import fenced_app, trace
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -259,3 +263,82 @@ def test_save__inside_a_guard_holding_the_token_sets_it(alias: str) -> None:
     report.fencing_token = 7
     report.save()  # outside the guard: kept as stored
     assert rows(alias) == [("r0", "old", 1), ("r1", "new", 1)]
+
+
+@db
+def test_fenced_update__helper_thread_of_a_taken_over_task_is_refused(lease_db: str) -> None:
+    """The lease is found for the thread (no context) by its token, and proven."""
+    alias = lease_db
+    reports(alias, 0)  # the row has not seen the newer token: it alone would accept
+    app = fenced_app("fencing-threads")
+    outcome: dict[str, Any] = {}
+
+    @app.task(bind=True, name="fencing.build", base=FencedTask, shared=False, lease_key="r:{n}")
+    def build(self: Any, n: int) -> None:
+        token = self.request.fencing_token
+        Lease.objects.using(alias).filter(key="r:1").update(expires_at=F("acquired_at"))
+        acquire("r:1", ttl=30, owner="fresh", using=alias)  # taken over: token 2
+
+        def helper() -> None:
+            try:
+                outcome["updated"] = fenced_update(
+                    Report.objects.using(alias), token=token, body="stale"
+                )
+            except StaleToken as exc:
+                outcome["refused"] = exc
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join(timeout=60)
+
+    trace(build, "task-1", 1)
+    assert "updated" not in outcome
+    refused = outcome["refused"]
+    assert (refused.key, refused.token, refused.current) == ("r:1", 1, 2)
+    assert rows(alias) == [("r0", "old", 0)]
+
+
+@db
+def test_fenced_update__without_a_lease_in_context_proves_every_lease_held_under_the_token(
+    alias: str,
+) -> None:
+    """Two leases of this process carry token 1 (different keys): the write proves both."""
+    queryset = reports(alias, 0)
+    current = acquire("k:current", ttl=30, using=alias)
+    stale = taken_over(alias, "k:stale")
+    assert current.token == stale.token == 1
+    renewer().register(current)
+    renewer().register(stale)
+    try:
+        with pytest.raises(StaleToken) as refused:
+            fenced_update(queryset, token=1, body="stale")
+        assert refused.value.key == "k:stale"
+        renewer().unregister(stale)
+        assert fenced_update(queryset, token=1, body="current") == 1
+    finally:
+        renewer().unregister(current)
+        renewer().unregister(stale)
+        current.release()
+    assert rows(alias) == [("r0", "current", 1)]
+
+
+@db
+def test_fenced_update__without_context_a_lease_found_lost_is_still_proven(alias: str) -> None:
+    """The renewer found the lease lost; until its execution ends, its token is refused."""
+    queryset = reports(alias, 0)
+    stale = acquire("k:stale", ttl=30, using=alias, renew_interval=0.05)
+    Lease.objects.using(alias).filter(key="k:stale").update(expires_at=F("acquired_at"))
+    acquire("k:stale", ttl=30, owner="fresh", using=alias)
+    renewer().register(stale)
+    try:
+        deadline = time.monotonic() + 15
+        while stale in renewer().held() or not stale.lost:  # the renewer's refusal
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(StaleToken):
+            fenced_update(queryset, token=stale.token, body="stale")
+    finally:
+        renewer().unregister(stale)
+    assert rows(alias) == [("r0", "old", 0)]
