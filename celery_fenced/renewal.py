@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 
 #: a lease is renewed with its batch once this share of its renew interval has passed
 BATCH_SHARE = 0.6
+#: the renewer's statements fail after this share of the shortest ttl of their batch
+STATEMENT_SHARE = 0.25
+UNREACHABLE = "the database was unreachable until the grant expired"
+RENEWED, ROW_LOCKED, FAILED = "renewed", "row locked", "failed"
+#: PostgreSQL's SQLSTATE of a statement cancelled by statement_timeout / lock_timeout
+QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
 
 
 class Renewer:
@@ -83,7 +89,7 @@ class Renewer:
                     x for x in leases if now >= x._confirmed_at + x.renew_interval * BATCH_SHARE
                 ]
             try:
-                self.renew(due)
+                self.renew(due, time_limit=True)
             except Exception:  # nothing may stop the thread: every other lease needs it
                 logger.exception("lease renewal failed; will retry")
             with self._cond:
@@ -93,29 +99,108 @@ class Renewer:
                     if self._leases.pop(id(lease), None) is not None and not lease.released:
                         self._lost[id(lease)] = lease  # until its execution unregisters it
 
-    def renew(self, leases: list[HeldLease]) -> None:
-        """Renew ``leases`` with one statement per database; mark the refused ones lost."""
+    def renew(self, leases: list[HeldLease], *, time_limit: bool = False) -> None:
+        """Renew ``leases`` with one statement per database; mark the refused ones lost.
+
+        A lease whose local deadline passed without a confirmed renewal is marked lost
+        instead. With ``time_limit`` (the renewer's own thread) every statement on this
+        thread's connection fails after :data:`STATEMENT_SHARE` of the shortest ttl
+        instead of waiting on a lock; when a batch times out on a row lock, each lease is
+        renewed on its own so that one locked row does not hold up the others.
+        """
         by_alias: dict[str, list[HeldLease]] = defaultdict(list)
         for lease in leases:
-            if not (lease.lost or lease.released):
+            if not lease.released:
                 by_alias[lease.alias].append(lease)
-        for alias, group in by_alias.items():
-            sent = time.monotonic()
-            try:
-                renewed = dialects.for_alias(alias).renew(
-                    [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
-                )
-            except Exception:
-                logger.warning("lease renewal failed on %r; will retry", alias, exc_info=True)
-                connections[alias].close()
-                for lease in group:
-                    if time.monotonic() >= lease.local_deadline:
-                        lease.mark_lost("the database was unreachable until the grant expired")
-                time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
+        for alias, leases_here in by_alias.items():
+            if time_limit:
+                try:
+                    limit_statements(alias, STATEMENT_SHARE * min(x.ttl for x in leases_here))
+                except Exception:
+                    logger.warning("could not limit the renewal statements on %r", alias)
+                    connections[alias].close()
+            group = []
+            for lease in leases_here:
+                if lease.lost:  # past its deadline, or found lost already (then a no-op)
+                    lease.mark_lost(UNREACHABLE)
+                else:
+                    group.append(lease)
+            if not group:
                 continue
+            outcome = self._renew_batch(alias, group)
+            if outcome == ROW_LOCKED and len(group) > 1:
+                outcomes = [self._renew_batch(alias, [lease]) for lease in group]
+                outcome = RENEWED if RENEWED in outcomes else FAILED
             for lease in group:
-                if not lease.released:
-                    lease.confirm_renewal(sent, renewed.get((lease.key, lease.token)))
+                if not lease.released and time.monotonic() >= lease.local_deadline:
+                    lease.mark_lost(UNREACHABLE)
+            if outcome != RENEWED:
+                time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
+
+    @staticmethod
+    def _renew_batch(alias: str, group: list[HeldLease]) -> str:
+        sent = time.monotonic()
+        try:
+            renewed = dialects.for_alias(alias).renew(
+                [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
+            )
+        except Exception as exc:
+            locked = _timed_out(exc)
+            logger.warning(
+                "lease renewal failed on %r%s; will retry",
+                alias,
+                " (a lease row is locked)" if locked else "",
+                exc_info=not locked,
+            )
+            if not locked:
+                connections[alias].close()
+            return ROW_LOCKED if locked else FAILED
+        for lease in group:
+            if not lease.released:
+                lease.confirm_renewal(sent, renewed.get((lease.key, lease.token)))
+        return RENEWED
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a renewal failed on PostgreSQL's statement timeout (a row lock held)."""
+    cause = exc.__cause__
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return code in (QUERY_CANCELED, LOCK_NOT_AVAILABLE)
+
+
+def limit_statements(alias: str, seconds: float) -> None:
+    """Make this thread's statements on ``alias`` fail after about ``seconds``.
+
+    For the renewer's own connection (Django's connections are per thread): PostgreSQL's
+    ``statement_timeout`` for the session; SQLite's busy timeout (how long a statement
+    waits for another connection's write lock), the longest fixed step within
+    ``seconds``. Set again before every batch: a reconnection forgets it.
+    """
+    connection = connections[alias]
+    milliseconds = max(1, int(seconds * 1000))
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT set_config('statement_timeout', %s, false)", [str(milliseconds)]
+            )
+        elif connection.vendor == "sqlite":
+            # a PRAGMA takes no parameters: fixed texts, never a spliced value
+            busy = (
+                "PRAGMA busy_timeout = 10000"
+                if milliseconds >= 10000
+                else "PRAGMA busy_timeout = 5000"
+                if milliseconds >= 5000
+                else "PRAGMA busy_timeout = 2000"
+                if milliseconds >= 2000
+                else "PRAGMA busy_timeout = 1000"
+                if milliseconds >= 1000
+                else "PRAGMA busy_timeout = 500"
+                if milliseconds >= 500
+                else "PRAGMA busy_timeout = 200"
+                if milliseconds >= 200
+                else "PRAGMA busy_timeout = 100"
+            )
+            cursor.execute(busy)
 
 
 _renewer = Renewer()

@@ -84,6 +84,9 @@ def validate_ttl(ttl: object) -> float:
         raise ValueError(str(exc)) from None
 
 
+UNRENEWED = "no renewal confirmed the grant within its ttl: it may have expired"
+
+
 class HeldLease:
     """A granted lease: the key, its fencing token and the operations of its holder."""
 
@@ -117,6 +120,9 @@ class HeldLease:
         # monotonic time when the last successful grant/renewal statement was *sent*:
         # the grant is known to run until at least this + ttl
         self._confirmed_at = time.monotonic()
+        # when check() last found the grant current in the database (not a renewal)
+        self._checked_at = self._confirmed_at
+        self._deadline_passed = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -125,16 +131,29 @@ class HeldLease:
 
     @property
     def lost(self) -> bool:
-        """True once the holder has learned its grant is gone."""
-        return self._lost_reason is not None
+        """True once the grant is gone, or may be: its local deadline passed unrenewed.
+
+        The deadline needs no answer from the database: a renewal that hangs (a locked
+        row, a stalled connection) cannot keep a lease looking held. Once true it stays
+        true; a lease released by its holder is not lost.
+        """
+        if self._lost_reason is not None or self._deadline_passed:
+            return True
+        if self.released or time.monotonic() < self.local_deadline:
+            return False
+        self._deadline_passed = True
+        return True
 
     @property
     def lost_reason(self) -> str | None:
+        if self._lost_reason is None and self.lost:
+            return UNRENEWED
         return self._lost_reason
 
     @property
     def local_deadline(self) -> float:
-        """Monotonic time by which the grant has surely expired unless renewed."""
+        """Monotonic time until which the grant is known to run: the last confirmed
+        renewal (when its statement was sent) plus the ttl. Past it, it may have expired."""
         return self._confirmed_at + self.ttl
 
     def renew(self) -> dt.datetime:
@@ -197,13 +216,12 @@ class HeldLease:
         self._raise_if_lost()
         if self.released:
             raise LeaseLost(self.key, self.token, "released")
-        if time.monotonic() - self._confirmed_at > self.renew_interval:
+        if time.monotonic() - max(self._confirmed_at, self._checked_at) > self.renew_interval:
             sent = time.monotonic()
             if dialects.for_alias(self.alias).is_current(self.key, self.token, self.owner):
+                # current now, which says nothing of later: the local deadline stays
                 with self._lock:
-                    self._confirmed_at = max(
-                        self._confirmed_at, sent - self.ttl + self.renew_interval
-                    )
+                    self._checked_at = max(self._checked_at, sent)
             else:
                 self.mark_lost("the grant expired, was released or taken over")
         self._raise_if_lost()
@@ -251,8 +269,8 @@ class HeldLease:
         )
 
     def _raise_if_lost(self) -> None:
-        if self._lost_reason is not None:
-            raise LeaseLost(self.key, self.token, self._lost_reason)
+        if self.lost:
+            raise LeaseLost(self.key, self.token, self.lost_reason or UNRENEWED)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"lease_key": self.key, "fencing_token": self.token, "lease_owner": self.owner}
