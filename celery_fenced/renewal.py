@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from django.db import connections
 
-from celery_fenced import dialects
+from celery_fenced import dialects, store
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
@@ -103,47 +103,43 @@ class Renewer:
         """Renew ``leases`` with one statement per database; mark the refused ones lost.
 
         A lease whose local deadline passed without a confirmed renewal is marked lost
-        instead. With ``time_limit`` (the renewer's own thread) every statement on this
-        thread's connection fails after :data:`STATEMENT_SHARE` of the shortest ttl
-        instead of waiting on a lock; when a batch times out on a row lock, each lease is
-        renewed on its own so that one locked row does not hold up the others.
+        instead. With ``time_limit`` (the renewer's own thread) the statements fail after
+        :data:`STATEMENT_SHARE` of the shortest ttl instead of waiting on a lock (see
+        :func:`celery_fenced.store.time_limited`); when a batch times out on a locked row,
+        each lease is renewed on its own, so one locked row does not hold up the others.
         """
         by_alias: dict[str, list[HeldLease]] = defaultdict(list)
         for lease in leases:
             if not lease.released:
                 by_alias[lease.alias].append(lease)
         for alias, leases_here in by_alias.items():
-            if time_limit:
-                try:
-                    limit_statements(alias, STATEMENT_SHARE * min(x.ttl for x in leases_here))
-                except Exception:
-                    logger.warning("could not limit the renewal statements on %r", alias)
-                    connections[alias].close()
+            seconds = STATEMENT_SHARE * min(x.ttl for x in leases_here) if time_limit else None
             group = []
             for lease in leases_here:
                 if lease.lost:  # past its deadline, or found lost already (then a no-op)
-                    lease.mark_lost(UNREACHABLE)
+                    lease.mark_lost(UNREACHABLE, time_limit=seconds)
                 else:
                     group.append(lease)
             if not group:
                 continue
-            outcome = self._renew_batch(alias, group)
+            outcome = self._renew_batch(alias, group, seconds)
             if outcome == ROW_LOCKED and len(group) > 1:
-                outcomes = [self._renew_batch(alias, [lease]) for lease in group]
+                outcomes = [self._renew_batch(alias, [lease], seconds) for lease in group]
                 outcome = RENEWED if RENEWED in outcomes else FAILED
             for lease in group:
                 if not lease.released and time.monotonic() >= lease.local_deadline:
-                    lease.mark_lost(UNREACHABLE)
+                    lease.mark_lost(UNREACHABLE, time_limit=seconds)
             if outcome != RENEWED:
                 time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
 
     @staticmethod
-    def _renew_batch(alias: str, group: list[HeldLease]) -> str:
+    def _renew_batch(alias: str, group: list[HeldLease], seconds: float | None) -> str:
         sent = time.monotonic()
         try:
-            renewed = dialects.for_alias(alias).renew(
-                [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
-            )
+            with store.time_limited(alias, seconds):
+                renewed = dialects.for_alias(alias).renew(
+                    [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
+                )
         except Exception as exc:
             locked = _timed_out(exc)
             logger.warning(
@@ -157,7 +153,8 @@ class Renewer:
             return ROW_LOCKED if locked else FAILED
         for lease in group:
             if not lease.released:
-                lease.confirm_renewal(sent, renewed.get((lease.key, lease.token)))
+                renewal = renewed.get((lease.key, lease.token))
+                lease.confirm_renewal(sent, renewal, time_limit=seconds)
         return RENEWED
 
 
@@ -166,41 +163,6 @@ def _timed_out(exc: BaseException) -> bool:
     cause = exc.__cause__
     code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
     return code in (QUERY_CANCELED, LOCK_NOT_AVAILABLE)
-
-
-def limit_statements(alias: str, seconds: float) -> None:
-    """Make this thread's statements on ``alias`` fail after about ``seconds``.
-
-    For the renewer's own connection (Django's connections are per thread): PostgreSQL's
-    ``statement_timeout`` for the session; SQLite's busy timeout (how long a statement
-    waits for another connection's write lock), the longest fixed step within
-    ``seconds``. Set again before every batch: a reconnection forgets it.
-    """
-    connection = connections[alias]
-    milliseconds = max(1, int(seconds * 1000))
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                "SELECT set_config('statement_timeout', %s, false)", [str(milliseconds)]
-            )
-        elif connection.vendor == "sqlite":
-            # a PRAGMA takes no parameters: fixed texts, never a spliced value
-            busy = (
-                "PRAGMA busy_timeout = 10000"
-                if milliseconds >= 10000
-                else "PRAGMA busy_timeout = 5000"
-                if milliseconds >= 5000
-                else "PRAGMA busy_timeout = 2000"
-                if milliseconds >= 2000
-                else "PRAGMA busy_timeout = 1000"
-                if milliseconds >= 1000
-                else "PRAGMA busy_timeout = 500"
-                if milliseconds >= 500
-                else "PRAGMA busy_timeout = 200"
-                if milliseconds >= 200
-                else "PRAGMA busy_timeout = 100"
-            )
-            cursor.execute(busy)
 
 
 _renewer = Renewer()

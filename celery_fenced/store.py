@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import router, transaction
+from django.db import connections, router, transaction
 
 from celery_fenced import conf, dialects, signals
 from celery_fenced.context import _guards
@@ -167,10 +167,15 @@ class HeldLease:
         self._raise_if_lost()
         return self.expires_at
 
-    def confirm_renewal(self, sent: float, expires_at: dt.datetime | None) -> None:
+    def confirm_renewal(
+        self, sent: float, expires_at: dt.datetime | None, *, time_limit: float | None = None
+    ) -> None:
         """Record the outcome of a renewal statement sent at monotonic time ``sent``."""
         if expires_at is None:
-            self.mark_lost("renewal refused: the grant expired, was released or taken over")
+            self.mark_lost(
+                "renewal refused: the grant expired, was released or taken over",
+                time_limit=time_limit,
+            )
             return
         with self._lock:
             self.expires_at = expires_at
@@ -237,8 +242,12 @@ class HeldLease:
         with fenced_transaction(self.key, self.token, using=self.alias, lease=self):
             yield self
 
-    def mark_lost(self, reason: str) -> None:
-        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``."""
+    def mark_lost(self, reason: str, *, time_limit: float | None = None) -> None:
+        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``.
+
+        ``time_limit`` (seconds; the renewer's thread) bounds the event's write, which a
+        lock on the lease row would otherwise hold up.
+        """
         with self._lock:
             if self._lost_reason is not None or self.released:
                 if self._lost_reason is None:
@@ -253,9 +262,10 @@ class HeldLease:
             extra=self._log_extra(),
         )
         try:
-            dialects.for_alias(self.alias).record_event(
-                self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
-            )
+            with time_limited(self.alias, time_limit):
+                dialects.for_alias(self.alias).record_event(
+                    self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
+                )
         except Exception:  # the database may be what failed; the event is best effort
             logger.info("could not record the lost event for %r", self.key, exc_info=True)
         signals.send(
@@ -511,3 +521,50 @@ def in_guard(key: str, token: int) -> bool:
 def in_guard_of_token(token: int) -> bool:
     """True inside a guard() holding ``token``, whatever its key."""
     return any(t == token for _, _, t in _guards.get())
+
+
+@contextmanager
+def time_limited(alias: str, seconds: float | None) -> Iterator[None]:
+    """Statements on ``alias`` in this block fail after about ``seconds`` (None: no limit)
+    instead of waiting on a lock held by another connection.
+
+    For the renewer's thread. PostgreSQL: a transaction of its own with a local
+    ``statement_timeout`` (nothing stays on the session, so a transaction pooler is safe;
+    inside a transaction already open there is no limit). SQLite: the busy timeout of this
+    thread's connection (how long a statement waits for another connection's write lock),
+    the longest fixed step within ``seconds``; it stays on that connection, which only
+    the renewer's thread uses. Other databases: no limit.
+    """
+    connection = connections[alias]
+    if seconds is None or connection.vendor not in ("postgresql", "sqlite"):
+        yield
+        return
+    milliseconds = max(1, int(seconds * 1000))
+    if connection.vendor == "sqlite":
+        # a PRAGMA takes no parameters: fixed texts, never a spliced value
+        busy = (
+            "PRAGMA busy_timeout = 10000"
+            if milliseconds >= 10000
+            else "PRAGMA busy_timeout = 5000"
+            if milliseconds >= 5000
+            else "PRAGMA busy_timeout = 2000"
+            if milliseconds >= 2000
+            else "PRAGMA busy_timeout = 1000"
+            if milliseconds >= 1000
+            else "PRAGMA busy_timeout = 500"
+            if milliseconds >= 500
+            else "PRAGMA busy_timeout = 200"
+            if milliseconds >= 200
+            else "PRAGMA busy_timeout = 100"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(busy)
+        yield
+        return
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic(using=alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('statement_timeout', %s, true)", [str(milliseconds)])
+        yield
