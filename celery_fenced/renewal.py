@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 BATCH_SHARE = 0.6
 #: the renewer's statements fail after this share of the shortest ttl of their batch
 STATEMENT_SHARE = 0.25
-UNREACHABLE = "the database was unreachable until the grant expired"
 RENEWED, ROW_LOCKED, FAILED = "renewed", "row locked", "failed"
 #: PostgreSQL's SQLSTATE of a statement cancelled by statement_timeout / lock_timeout
 QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
@@ -94,8 +93,8 @@ class Renewer:
                 logger.exception("lease renewal failed; will retry")
             with self._cond:
                 for lease in due:
-                    if not (lease.lost or lease.released):
-                        continue
+                    if lease._lost_reason is None and not lease.released:
+                        continue  # a lease past its deadline is marked lost next round
                     if self._leases.pop(id(lease), None) is not None and not lease.released:
                         self._lost[id(lease)] = lease  # until its execution unregisters it
 
@@ -117,7 +116,7 @@ class Renewer:
             group = []
             for lease in leases_here:
                 if lease.lost:  # past its deadline, or found lost already (then a no-op)
-                    lease.mark_lost(UNREACHABLE, time_limit=seconds)
+                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
                 else:
                     group.append(lease)
             if not group:
@@ -128,7 +127,7 @@ class Renewer:
                 outcome = RENEWED if RENEWED in outcomes else FAILED
             for lease in group:
                 if not lease.released and time.monotonic() >= lease.local_deadline:
-                    lease.mark_lost(UNREACHABLE, time_limit=seconds)
+                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
             if outcome != RENEWED:
                 time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
 

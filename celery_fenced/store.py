@@ -84,7 +84,8 @@ def validate_ttl(ttl: object) -> float:
         raise ValueError(str(exc)) from None
 
 
-UNRENEWED = "no renewal confirmed the grant within its ttl: it may have expired"
+#: why a lease is lost when no renewal confirmed it within its ttl (its local deadline)
+UNRENEWED = "the database was unreachable until the grant expired (no renewal within the ttl)"
 
 
 class HeldLease:
@@ -242,11 +243,13 @@ class HeldLease:
         with fenced_transaction(self.key, self.token, using=self.alias, lease=self):
             yield self
 
-    def mark_lost(self, reason: str, *, time_limit: float | None = None) -> None:
+    def mark_lost(
+        self, reason: str, *, time_limit: float | None = None, record: bool = True
+    ) -> None:
         """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``.
 
         ``time_limit`` (seconds; the renewer's thread) bounds the event's write, which a
-        lock on the lease row would otherwise hold up.
+        lock on the lease row would otherwise hold up; ``record=False`` writes no event.
         """
         with self._lock:
             if self._lost_reason is not None or self.released:
@@ -262,10 +265,11 @@ class HeldLease:
             extra=self._log_extra(),
         )
         try:
-            with time_limited(self.alias, time_limit):
-                dialects.for_alias(self.alias).record_event(
-                    self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
-                )
+            if record:
+                with time_limited(self.alias, time_limit):
+                    dialects.for_alias(self.alias).record_event(
+                        self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
+                    )
         except Exception:  # the database may be what failed; the event is best effort
             logger.info("could not record the lost event for %r", self.key, exc_info=True)
         signals.send(
@@ -279,6 +283,9 @@ class HeldLease:
         )
 
     def _raise_if_lost(self) -> None:
+        if self._lost_reason is None and self.lost:  # the local deadline passed unrenewed
+            # logged and signalled here; no statement: the database may be what hangs
+            self.mark_lost(UNRENEWED, record=False)
         if self.lost:
             raise LeaseLost(self.key, self.token, self.lost_reason or UNRENEWED)
 
