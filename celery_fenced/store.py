@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import router, transaction
+from django.db import connections, router, transaction
 
 from celery_fenced import conf, dialects, signals
 from celery_fenced.context import _guards
@@ -84,6 +84,10 @@ def validate_ttl(ttl: object) -> float:
         raise ValueError(str(exc)) from None
 
 
+#: why a lease is lost when no renewal confirmed it within its ttl (its local deadline)
+UNRENEWED = "the database was unreachable until the grant expired (no renewal within the ttl)"
+
+
 class HeldLease:
     """A granted lease: the key, its fencing token and the operations of its holder."""
 
@@ -117,6 +121,9 @@ class HeldLease:
         # monotonic time when the last successful grant/renewal statement was *sent*:
         # the grant is known to run until at least this + ttl
         self._confirmed_at = time.monotonic()
+        # when check() last found the grant current in the database (not a renewal)
+        self._checked_at = self._confirmed_at
+        self._deadline_passed = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -125,16 +132,29 @@ class HeldLease:
 
     @property
     def lost(self) -> bool:
-        """True once the holder has learned its grant is gone."""
-        return self._lost_reason is not None
+        """True once the grant is gone, or may be: its local deadline passed unrenewed.
+
+        The deadline needs no answer from the database: a renewal that hangs (a locked
+        row, a stalled connection) cannot keep a lease looking held. Once true it stays
+        true; a lease released by its holder is not lost.
+        """
+        if self._lost_reason is not None or self._deadline_passed:
+            return True
+        if self.released or time.monotonic() < self.local_deadline:
+            return False
+        self._deadline_passed = True
+        return True
 
     @property
     def lost_reason(self) -> str | None:
+        if self._lost_reason is None and self.lost:
+            return UNRENEWED
         return self._lost_reason
 
     @property
     def local_deadline(self) -> float:
-        """Monotonic time by which the grant has surely expired unless renewed."""
+        """Monotonic time until which the grant is known to run: the last confirmed
+        renewal (when its statement was sent) plus the ttl. Past it, it may have expired."""
         return self._confirmed_at + self.ttl
 
     def renew(self) -> dt.datetime:
@@ -148,10 +168,15 @@ class HeldLease:
         self._raise_if_lost()
         return self.expires_at
 
-    def confirm_renewal(self, sent: float, expires_at: dt.datetime | None) -> None:
+    def confirm_renewal(
+        self, sent: float, expires_at: dt.datetime | None, *, time_limit: float | None = None
+    ) -> None:
         """Record the outcome of a renewal statement sent at monotonic time ``sent``."""
         if expires_at is None:
-            self.mark_lost("renewal refused: the grant expired, was released or taken over")
+            self.mark_lost(
+                "renewal refused: the grant expired, was released or taken over",
+                time_limit=time_limit,
+            )
             return
         with self._lock:
             self.expires_at = expires_at
@@ -177,8 +202,9 @@ class HeldLease:
     def ended(self) -> None:
         """This grant's release has committed: mark it released and tell the receivers."""
         self.released = True
-        signals.lease_released.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_released,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -196,13 +222,12 @@ class HeldLease:
         self._raise_if_lost()
         if self.released:
             raise LeaseLost(self.key, self.token, "released")
-        if time.monotonic() - self._confirmed_at > self.renew_interval:
+        if time.monotonic() - max(self._confirmed_at, self._checked_at) > self.renew_interval:
             sent = time.monotonic()
             if dialects.for_alias(self.alias).is_current(self.key, self.token, self.owner):
+                # current now, which says nothing of later: the local deadline stays
                 with self._lock:
-                    self._confirmed_at = max(
-                        self._confirmed_at, sent - self.ttl + self.renew_interval
-                    )
+                    self._checked_at = max(self._checked_at, sent)
             else:
                 self.mark_lost("the grant expired, was released or taken over")
         self._raise_if_lost()
@@ -218,8 +243,14 @@ class HeldLease:
         with fenced_transaction(self.key, self.token, using=self.alias, lease=self):
             yield self
 
-    def mark_lost(self, reason: str) -> None:
-        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``."""
+    def mark_lost(
+        self, reason: str, *, time_limit: float | None = None, record: bool = True
+    ) -> None:
+        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``.
+
+        ``time_limit`` (seconds; the renewer's thread) bounds the event's write, which a
+        lock on the lease row would otherwise hold up; ``record=False`` writes no event.
+        """
         with self._lock:
             if self._lost_reason is not None or self.released:
                 if self._lost_reason is None:
@@ -234,13 +265,16 @@ class HeldLease:
             extra=self._log_extra(),
         )
         try:
-            dialects.for_alias(self.alias).record_event(
-                self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
-            )
+            if record:
+                with time_limited(self.alias, time_limit):
+                    dialects.for_alias(self.alias).record_event(
+                        self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
+                    )
         except Exception:  # the database may be what failed; the event is best effort
             logger.info("could not record the lost event for %r", self.key, exc_info=True)
-        signals.lease_lost.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_lost,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -249,8 +283,11 @@ class HeldLease:
         )
 
     def _raise_if_lost(self) -> None:
-        if self._lost_reason is not None:
-            raise LeaseLost(self.key, self.token, self._lost_reason)
+        if self._lost_reason is None and self.lost:  # the local deadline passed unrenewed
+            # logged and signalled here; no statement: the database may be what hangs
+            self.mark_lost(UNRENEWED, record=False)
+        if self.lost:
+            raise LeaseLost(self.key, self.token, self.lost_reason or UNRENEWED)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"lease_key": self.key, "fencing_token": self.token, "lease_owner": self.owner}
@@ -315,8 +352,9 @@ def acquire(
         delivery=delivery,
     )
     lease._confirmed_at = sent
-    signals.lease_acquired.send(
-        sender=Lease,
+    signals.send(
+        signals.lease_acquired,
+        Lease,
         key=key,
         token=lease.token,
         owner=owner,
@@ -347,8 +385,8 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
         by or "-",
         extra={"lease_key": key, "fencing_token": token, "lease_owner": owner},
     )
-    signals.lease_released.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id="", forced=True
+    signals.send(
+        signals.lease_released, Lease, key=key, token=token, owner=owner, task_id="", forced=True
     )
     return token
 
@@ -382,8 +420,14 @@ def settle_elsewhere(
                     token,
                     extra={"task_id": task_id, "lease_key": key, "fencing_token": token},
                 )
-                signals.lease_released.send(
-                    sender=Lease, key=key, token=token, owner=owner, task_id=task_id, forced=True
+                signals.send(
+                    signals.lease_released,
+                    Lease,
+                    key=key,
+                    token=token,
+                    owner=owner,
+                    task_id=task_id,
+                    forced=True,
                 )
         else:
             others = True
@@ -421,8 +465,14 @@ def reject_stale(
             )
     except Exception:
         logger.info("could not record the stale_write_rejected event", exc_info=True)
-    signals.stale_write_rejected.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id=task_id, current=current
+    signals.send(
+        signals.stale_write_rejected,
+        Lease,
+        key=key,
+        token=token,
+        owner=owner,
+        task_id=task_id,
+        current=current,
     )
     return StaleToken(key, token, current)
 
@@ -504,3 +554,55 @@ def grant_live_since(key: str, token: int, *, using: str | None = None) -> bool:
 def in_guard(key: str, token: int) -> bool:
     """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
     return any(k == key and t == token for _, k, t in _guards.get())
+
+
+def in_guard_of_token(token: int) -> bool:
+    """True inside a guard() holding ``token``, whatever its key."""
+    return any(t == token for _, _, t in _guards.get())
+
+
+@contextmanager
+def time_limited(alias: str, seconds: float | None) -> Iterator[None]:
+    """Statements on ``alias`` in this block fail after about ``seconds`` (None: no limit)
+    instead of waiting on a lock held by another connection.
+
+    For the renewer's thread. PostgreSQL: a transaction of its own with a local
+    ``statement_timeout`` (nothing stays on the session, so a transaction pooler is safe;
+    inside a transaction already open there is no limit). SQLite: the busy timeout of this
+    thread's connection (how long a statement waits for another connection's write lock),
+    the longest fixed step within ``seconds``; it stays on that connection, which only
+    the renewer's thread uses. Other databases: no limit.
+    """
+    connection = connections[alias]
+    if seconds is None or connection.vendor not in ("postgresql", "sqlite"):
+        yield
+        return
+    milliseconds = max(1, int(seconds * 1000))
+    if connection.vendor == "sqlite":
+        # a PRAGMA takes no parameters: fixed texts, never a spliced value
+        busy = (
+            "PRAGMA busy_timeout = 10000"
+            if milliseconds >= 10000
+            else "PRAGMA busy_timeout = 5000"
+            if milliseconds >= 5000
+            else "PRAGMA busy_timeout = 2000"
+            if milliseconds >= 2000
+            else "PRAGMA busy_timeout = 1000"
+            if milliseconds >= 1000
+            else "PRAGMA busy_timeout = 500"
+            if milliseconds >= 500
+            else "PRAGMA busy_timeout = 200"
+            if milliseconds >= 200
+            else "PRAGMA busy_timeout = 100"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(busy)
+        yield
+        return
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic(using=alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('statement_timeout', %s, true)", [str(milliseconds)])
+        yield

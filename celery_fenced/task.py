@@ -108,6 +108,14 @@ class FencedExecution:
         from celery_fenced import store
         from celery_fenced.renewal import renewer
 
+        if self.request_stack.top is None:  # type: ignore[attr-defined]
+            # task(...) called directly: without a request of its own the call would
+            # share Celery's default request (and its lease) with every other thread
+            self.push_request()  # type: ignore[attr-defined]
+            try:
+                return FencedExecution.__call__(self, *args, **kwargs)
+            finally:
+                self.pop_request()  # type: ignore[attr-defined]
         request = self.request
         # A token or key in the message is never trusted: only acquisition sets them.
         request.fencing_token = None
