@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import states
 from django.db import InterfaceError, OperationalError, connections, router, transaction
@@ -41,6 +41,7 @@ from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
 #: pauses (seconds) between attempts to settle a final outcome while the database is away
@@ -119,8 +120,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             self._settle(task_id, result, state, request, lease, drive)
         elif not self._is_fenced(request):
             drive()
-        elif self._may_record_elsewhere(task_id, state, request):
-            self._untokened(task_id, state, request, drive)
+        else:
+            # often the worker's main process, whose connections nothing else resets
+
+            def attempt() -> None:
+                if self._may_record_elsewhere(task_id, state, request):
+                    self._untokened(task_id, state, request, drive)
+
+            aliases = [store.database_alias(), router.db_for_write(self.TaskModel)]
+            self._through_outages(task_id, aliases, attempt)
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -172,38 +180,50 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         is recorded (R2). Returns whether it was proven.
         """
         releasing = status in RELEASING_STATES
-        for pause in (*SETTLE_RETRY_PAUSES, None):
+
+        def attempt() -> bool:
             try:
                 self._prove_then(task_id, status, request, lease, releasing, then)
-                break
             except _Refused as refused:
                 if refused.current == lease.token and self._settled_by(task_id, lease):
-                    break  # a commit whose answer was lost with the connection: settled
+                    return True  # a commit whose answer was lost with the connection
                 self._refuse(task_id, result, status, request, lease, refused.current)
                 return False
-            except (OperationalError, InterfaceError) as exc:
-                # The database went away (a restart, a failover): the transaction is gone
-                # with it, so nothing of ``then`` stands. A final outcome is settled again
-                # when it is back, instead of turning a done job into a FAILURE.
-                connection = connections[lease.alias]
-                if pause is None or not releasing or connection.in_atomic_block:
-                    raise
-                logger.warning(
-                    "could not settle %s of task %s (%s); trying again in %.1f s",
-                    status,
-                    task_id,
-                    exc,
-                    pause,
-                    extra={"task_id": task_id, "lease_key": lease.key},
-                )
-                connection.close()
-                time.sleep(pause)
-        if releasing:
+            return True
+
+        # A final outcome is settled again when the database is back from a restart or
+        # a failover, instead of turning a done job into a FAILURE.
+        proven = self._through_outages(task_id, [lease.alias], attempt) if releasing else attempt()
+        if proven and releasing:
             from celery_fenced.renewal import renewer
 
             renewer().unregister(lease)
             lease.ended()
-        return True
+        return proven
+
+    def _through_outages(self, task_id: str, aliases: list[str], attempt: Callable[[], T]) -> T:
+        """``attempt()``, again after a pause while the database is away (0.5 to 8 s apart).
+
+        The failed attempt's transaction went with the connection, so nothing of it stands.
+        Inside a transaction of the caller's, nothing can be retried: the error is raised.
+        """
+        for pause in (*SETTLE_RETRY_PAUSES, None):
+            try:
+                return attempt()
+            except (OperationalError, InterfaceError) as exc:
+                if pause is None or any(connections[a].in_atomic_block for a in aliases):
+                    raise
+                logger.warning(
+                    "could not record the outcome of task %s (%s); trying again in %.1f s",
+                    task_id,
+                    exc,
+                    pause,
+                    extra={"task_id": task_id},
+                )
+                for alias in aliases:
+                    connections[alias].close()
+                time.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _prove_then(
         self,
@@ -315,7 +335,14 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 **(getattr(request, "meta", None) or {}),
                 "stale_fencing_token": lease.token,
             }
-            super()._store_result(task_id, failure, states.FAILURE, None, request, None)
+
+            def write() -> None:
+                DatabaseBackend._store_result(
+                    self, task_id, failure, states.FAILURE, None, request
+                )
+
+            # never over a final outcome already recorded (a REVOKED, another result)
+            self._untokened(task_id, states.FAILURE, request, write, over_final=False)
 
     def _settled_by(self, task_id: str, lease: HeldLease) -> bool:
         """Whether ``task_id``'s row holds a final result written under ``lease``."""
@@ -372,7 +399,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         return may
 
     def _untokened(
-        self, task_id: str, status: str, request: Any, then: Callable[[], None]
+        self,
+        task_id: str,
+        status: str,
+        request: Any,
+        then: Callable[[], None],
+        *,
+        over_final: bool = True,
     ) -> None:
         """Run ``then`` (an untokened write, and what it drives) unless R1 refuses it.
 
@@ -382,7 +415,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         alias = router.db_for_write(self.TaskModel)
         with transaction.atomic(using=alias):
             dialects.for_alias(alias).lock_for_result(task_id)
-            if not self._untokened_may_write(task_id, alias):
+            if not self._untokened_may_write(task_id, alias, over_final):
                 logger.warning(
                     "untokened %s write for task %s refused: a fenced execution's result stands",
                     status,
@@ -399,7 +432,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 if request is not None:
                     request._fenced_checked = marker
 
-    def _untokened_may_write(self, task_id: str, alias: str) -> bool:
+    def _untokened_may_write(self, task_id: str, alias: str, over_final: bool = True) -> bool:
         row = (
             self.TaskModel._default_manager.using(alias)
             .filter(task_id=task_id)
@@ -409,6 +442,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if row is None:
             return True
         existing_status, meta = row
+        if not over_final and existing_status in states.READY_STATES:
+            return False
         try:
             decoded = self.decode(meta) if meta else {}
         except Exception:

@@ -401,14 +401,19 @@ def settle_elsewhere(
     ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
     before its grant. That process's own live grant of ``task_id`` is ended (force-released:
     the next grant comes at once, and the old holder stays fenced out); no other grant is.
-    Returns False while another execution holds a grant of ``task_id`` (live, or expired
-    and not yet taken over): that execution owns the job's outcome, and this report must
-    change nothing.
+    Returns False while another execution holds a grant of ``task_id``: that execution
+    owns the job's outcome, and this report must change nothing. For an execution that
+    ran, any unreleased grant of another process counts (live, or expired and not yet
+    taken over: this one was taken over, so it is stale); for a delivery that never
+    started (``process`` None), only a live one: an expired grant's holder is gone or
+    stale, and the expired message's ``REVOKED`` is the job's outcome until it comes back.
     """
     alias = database_alias(using)
     dialect = dialects.for_alias(alias)
     others = False
-    for key, token, owner in dialect.task_grants(task_id):
+    for key, token, owner, live in dialect.task_grants(task_id):
+        if process is None and not live:
+            continue
         if process is not None and owner.startswith(process):
             ended = dialect.force_release(key, by, task_id=task_id, token=token)
             if ended is not None:

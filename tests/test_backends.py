@@ -297,3 +297,53 @@ def test_untokened_write__check_and_write_are_one_step_against_a_fenced_write(
     duplicate.join(timeout=30)
     row = TaskResult.objects.using(routed).get(task_id="t1")
     assert (row.status, json.loads(row.result)) == (states.SUCCESS, {"v": 1})
+
+
+def test_main_process_report__never_started_copy_with_an_expired_grant_is_recorded(
+    routed: str,
+) -> None:
+    """A late copy expires (``expires``) while the job's only grant has run out (its holder
+    died): ``REVOKED`` is the job's outcome, not nothing (found by the chaos runner)."""
+    held = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    Lease.objects.using(routed).filter(key="job").update(expires_at=F("acquired_at"))
+    report(states.REVOKED, "t1", main_process_request("t1", None))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.REVOKED
+    assert Lease.objects.using(routed).get(key="job").released_at is None  # ends nothing
+    assert held.token == 1
+
+
+def test_stale_result__never_written_over_a_final_outcome(routed: str) -> None:
+    """A holder fenced out by a force release finds the job already REVOKED: its refused
+    SUCCESS leaves the REVOKED, rather than storing FAILURE(StaleToken) over it."""
+    from celery_fenced import force_release
+
+    held = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    force_release("job", by="admin", using=routed)
+    report(states.REVOKED, "t1", main_process_request("t1", None))
+    FencedDatabaseBackend(app=app).mark_as_done("t1", {"v": 1}, request=request_for("t1", held))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.REVOKED
+
+
+def test_main_process_report__recorded_through_a_dropped_connection(routed: str) -> None:
+    """The worker's main process keeps its connections for good: one cut by a database
+    restart is replaced, and the report recorded (found by the chaos runner)."""
+    if routed != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    import psycopg
+
+    acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    connection = connections[routed]
+    connection.ensure_connection()
+    settings = connection.settings_dict
+    with psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        password=settings["PASSWORD"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    ) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    report(states.FAILURE, "t1", main_process_request("t1", 100))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.FAILURE
+    assert Lease.objects.using(routed).get(key="job").released_at is not None

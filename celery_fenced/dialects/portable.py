@@ -459,13 +459,18 @@ class Dialect:
         self.lock_for_result(task_id)
         return True, current
 
-    def task_grants(self, task_id: str) -> list[tuple[str, int, str]]:
-        """``(key, token, owner)`` of every unreleased grant held for ``task_id``."""
-        return list(
-            Lease._default_manager.using(self.alias)
+    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
+        """``(key, token, owner, live)`` of every unreleased grant held for ``task_id``.
+
+        ``live``: not expired by the database's clock.
+        """
+        now = self.now()
+        return [
+            (key, token, owner, expires_at > now)
+            for key, token, owner, expires_at in Lease._default_manager.using(self.alias)
             .filter(task_id=task_id, released_at__isnull=True)
-            .values_list("key", "token", "owner")
-        )
+            .values_list("key", "token", "owner", "expires_at")
+        ]
 
     def expired_unclaimed(self, key: str, token: int) -> bool:
         """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
