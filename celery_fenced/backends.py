@@ -48,11 +48,6 @@ RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
 SETTLE_RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-class _Refused(Exception):
-    def __init__(self, current: int | None) -> None:
-        self.current = current
-
-
 def lease_of(request: Any) -> HeldLease | None:
     """The grant an execution's request holds (set only by the worker at acquisition)."""
     lease = getattr(request, "_fenced_lease", None) if request is not None else None
@@ -184,7 +179,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         def attempt() -> bool:
             try:
                 self._prove_then(task_id, status, request, lease, releasing, then)
-            except _Refused as refused:
+            except store.Refused as refused:
                 if refused.current == lease.token and self._settled_by(task_id, lease):
                     return True  # a commit whose answer was lost with the connection
                 self._refuse(task_id, result, status, request, lease, refused.current)
@@ -245,7 +240,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             else:
                 ok, current = dialect.prove_current(lease.key, lease.token)
             if not ok:
-                raise _Refused(current)
+                raise store.Refused(current)
             if not releasing or task_id != lease.task_id:
                 dialect.lock_for_result(task_id)  # release_current took lease.task_id's
             request.meta = {

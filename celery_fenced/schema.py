@@ -13,13 +13,33 @@ from celery_fenced.models import Lease, LeaseEvent
 TABLES = (Lease._meta.db_table, LeaseEvent._meta.db_table)
 
 
-def _names_missing_table(error: DatabaseError) -> str | None:
-    text = str(error)
-    for table in TABLES:
-        # SQLite: "no such table: t"; PostgreSQL: 'relation "t" does not exist'
-        if f"no such table: {table}" in text or f'relation "{table}" does not exist' in text:
-            return table
-    return None
+#: the driver's code for "no such table": PostgreSQL's SQLSTATE, MySQL's error number
+UNDEFINED_TABLE_SQLSTATE = "42P01"
+NO_SUCH_TABLE_ERRNO = 1146
+
+
+def _names_missing_table(alias: str, error: DatabaseError) -> str | None:
+    """The lease table ``error`` is about because it does not exist, or None.
+
+    Decided by the driver's error code where it gives one (never by message text, which
+    PostgreSQL translates per ``lc_messages``), then by introspection.
+    """
+    cause = error.__cause__
+    sqlstate = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    errno = cause.args[0] if cause is not None and cause.args else None
+    if sqlstate is not None and sqlstate != UNDEFINED_TABLE_SQLSTATE:
+        return None
+    if sqlstate is None and isinstance(errno, int) and errno != NO_SUCH_TABLE_ERRNO:
+        return None
+    connection = connections[alias]
+    if sqlstate is not None and connection.in_atomic_block:
+        return TABLES[0]  # the transaction is aborted: no introspection until it ends
+    try:
+        with connection.cursor() as cursor:
+            present = set(connection.introspection.table_names(cursor))
+    except DatabaseError:
+        return TABLES[0] if sqlstate is not None else None
+    return next((table for table in TABLES if table not in present), None)
 
 
 def missing_tables_error(alias: str, table: str) -> FencedConfigurationError:
@@ -35,7 +55,7 @@ def tables_required(alias: str) -> Iterator[None]:
     try:
         yield
     except DatabaseError as error:
-        table = _names_missing_table(error)
+        table = _names_missing_table(alias, error)
         if table is None:
             raise
         raise missing_tables_error(alias, table) from error

@@ -482,7 +482,9 @@ def reject_stale(
     return StaleToken(key, token, current)
 
 
-class _Refused(Exception):
+class Refused(Exception):
+    """Inside the package: a proof failed; ``current`` is the key's token (or None)."""
+
     def __init__(self, current: int | None) -> None:
         self.current = current
 
@@ -506,13 +508,13 @@ def fenced_transaction(
         with transaction.atomic(using=alias):
             ok, current = dialects.for_alias(alias).prove_current(key, token)
             if not ok:
-                raise _Refused(current)
+                raise Refused(current)
             marker = _guards.set((*_guards.get(), (alias, key, token)))
             try:
                 yield
             finally:
                 _guards.reset(marker)
-    except _Refused as refused:
+    except Refused as refused:
         current = refused.current
         if lease is not None:
             lease.mark_lost(f"write refused: current token is {current}")
