@@ -329,3 +329,32 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
     end = ends.get()
     if end.kind == "force_released":
         assert end.detail["by"].startswith("worker:")
+
+
+def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_redelivery(
+    alias: str, start_worker: Any
+) -> None:
+    """Issue 14, case 3, as it was seen: ten jobs on one key; each waits with busy retries
+    counted down past Redis's visibility timeout, so Redis also redelivers the retry
+    messages. The package's re-sends keep the retry count, so every copy of a completed
+    job is a duplicate: each body runs exactly once."""
+    from testproject.demo.models import LedgerEntry
+
+    env = {
+        "FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": 5, "key": "one-key"}}),
+        "FENCED_VISIBILITY_TIMEOUT": "4",
+    }
+    start_worker("a", env=env, concurrency=2)
+    start_worker("b", env=env, concurrency=2)
+    task_ids = [
+        send(EFFECT, queue=start_worker.queue, args=(f"q{n}", "e", 0.3)) for n in range(10)
+    ]
+    for task_id in task_ids:
+        status, _ = result_of(alias, task_id, timeout=150)
+        assert status == "SUCCESS"
+    runs = {
+        job: LedgerEntry.objects.using(alias).filter(job=job).count()
+        for job in (f"q{n}" for n in range(10))
+    }
+    assert runs == {f"q{n}": 1 for n in range(10)}
+    assert LeaseEvent.objects.using(alias).filter(lease__key="one-key", kind="busy").exists()
