@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import states
-from django.db import connections, router, transaction
+from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
@@ -111,6 +111,28 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             )
 
         self._report(task_id, reason, state, request, drive)
+
+    def _call_task_errbacks(self, request: Any, exc: Any, traceback: Any) -> None:
+        """Celery's errbacks; inside a proven transaction, in a savepoint of their own.
+
+        Celery runs an errback of the old ``(request, exc, traceback)`` signature inline
+        and logs and swallows what it raises. Inside the transaction that settles the
+        task, a database error of that errback would mark the whole transaction for
+        rollback: the task's outcome and the lease's release would silently go with it.
+        The savepoint keeps the errback's failure its own, as without fencing.
+        """
+        lease = getattr(request, "_fenced_proven", None) if request is not None else None
+        if not isinstance(lease, HeldLease):
+            super()._call_task_errbacks(request, exc, traceback)
+            return
+        try:
+            with transaction.atomic(using=lease.alias):
+                super()._call_task_errbacks(request, exc, traceback)
+        except DatabaseError:
+            logger.exception(
+                "an errback of task %s failed in the database; the task's outcome stands",
+                getattr(request, "id", None),
+            )
 
     def _report(
         self, task_id: str, result: Any, state: str, request: Any, drive: Callable[[], None]
@@ -199,6 +221,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                     then()
                 finally:
                     request._fenced_proven = None
+                if connections[lease.alias].needs_rollback:
+                    # something ``then`` ran swallowed a database error: the commit would
+                    # silently be a rollback of the outcome and the release
+                    raise DatabaseError(
+                        f"the {status} outcome of task {task_id} was not settled: a "
+                        "database error inside its transaction was swallowed"
+                    )
         except _Refused as refused:
             self._refuse(task_id, result, status, request, lease, refused.current)
             return False
@@ -371,7 +400,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         key = decoded.get("lease_key")
         if not isinstance(key, str):
             return True
-        return not store.grant_live_since(key, token)
+        return not store.grant_live_since(key, token, task_id)
 
 
 __all__ = ["FencedDatabaseBackend", "StaleToken"]

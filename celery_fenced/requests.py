@@ -53,3 +53,18 @@ def request_class_for(base: Any) -> Any:
     if issubclass(cls, FencedRequestMixin):
         return cls
     return type(f"Fenced{cls.__name__}", (FencedRequestMixin, cls), {})
+
+
+def fence_request_class(task: Any) -> None:
+    """Give a fenced task the fenced request over its own ``Request`` (at worker start).
+
+    A task of the base class that names its own ``Request`` (``@app.task(base=FencedTask,
+    Request=MyRequest)``) would otherwise lose the fenced one: the main process's reports
+    of its hard time limits and lost children could then not tell which grant ended, and
+    would record nothing.
+    """
+    cls = type(task)
+    current = getattr(cls, "Request", None) or Request
+    fenced = request_class_for(current)
+    if fenced is not current:
+        cls.Request = fenced

@@ -92,6 +92,27 @@ def make_app() -> Celery:
     def errback(task_id: str) -> str:
         return task_id
 
+    @app.task(name="seams.inline_errback", shared=False)
+    def inline_errback(request: Any, exc: Any, traceback: Any) -> None:
+        """An errback of the old (request, exc, traceback) signature: Celery runs it inline.
+
+        Its own database write fails (a duplicate name): Celery logs and swallows that.
+        """
+        RUNS.append(("seams.inline_errback", request.id, threading.current_thread().name))
+        Report.objects.create(name="taken")
+
+    @app.task(
+        name="seams.retrying",
+        bind=True,
+        base=FencedTask,
+        shared=False,
+        lease_ttl=30,
+        lease_key="report:{report_id}",
+    )
+    def retrying(self: Any, report_id: int) -> str:
+        _gate("seams.retrying", report_id)
+        raise self.retry(countdown=3600)
+
     return app
 
 
@@ -387,3 +408,96 @@ def test_stale_retry_or_replace__sends_nothing(broker: Broker, lease_db: str, ho
     assert lease_seen[0].lost
     with pytest.raises(StaleToken):
         lease_seen[0].guard().__enter__()
+
+
+# -- review: what the change under review still lets through --------------------------------
+def test_revoked_retrying_task__recorded_while_another_job_holds_its_key(
+    broker: Broker, lease_db: str
+) -> None:
+    """A retrying task revoked by the worker's main process (its ETA'd retry message is
+    discarded) records REVOKED, even while another job (another task id) holds the key:
+    nobody else will ever record this task's outcome."""
+    from celery.app.task import Context
+
+    from celery_fenced.requests import EndedProcess
+
+    app = broker.app
+    app.signature("seams.retrying", (7,)).apply_async(task_id="retrying-7")
+    deliver(app, broker.one("seams.retrying"))
+    assert status(lease_db, "retrying-7")[0] == "RETRY"
+    app.signature("seams.keyed", (7,)).apply_async(task_id="other-7")
+    other = Execution(app, broker.one("seams.keyed"), "B")
+    granted(lease_db, "other-7", 2)
+    # what FencedRequest._context gives the main process for a delivery that never started
+    context = Context(
+        {
+            "id": "retrying-7",
+            "task": "seams.retrying",
+            "args": [7],
+            "kwargs": {},
+            "hostname": "w@seams",
+            "retries": 1,
+            "_fenced_process": EndedProcess(None),
+        }
+    )
+    app.backend.mark_as_revoked("retrying-7", "revoked", request=context)
+    other.finish()
+    assert status(lease_db, "retrying-7")[0] == "REVOKED"
+    assert status(lease_db, "other-7") == ("SUCCESS", '"7@2"')
+
+
+def test_inline_errback_database_error__the_failure_is_still_stored_and_released(
+    broker: Broker, lease_db: str
+) -> None:
+    """An old-signature errback runs inline, inside the proven transaction; its own failed
+    database write (logged and swallowed by Celery) must not take the task's FAILURE and
+    the lease release down with it."""
+    Report.objects.using(lease_db).create(name="taken")
+    app = broker.app
+    app.signature(
+        "seams.keyed", (9,), link_error=app.signature("seams.inline_errback")
+    ).apply_async(task_id="fails-9")
+    message = broker.one("seams.keyed")
+    FAILING.add("MainThread")
+    deliver(app, message)
+    assert [run[0] for run in RUNS] == ["seams.keyed", "seams.inline_errback"]
+    assert status(lease_db, "fails-9")[0] == "FAILURE"
+    lease = Lease.objects.using(lease_db).get(key="report:9")
+    assert lease.released_at is not None
+    assert lease.completed_digest  # a redelivery is a completed duplicate
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review finding: R2 stores FAILURE(StaleToken) but R4 drives nothing, so the "
+    "workflow waits forever; the contract must say which outcome drives it",
+)
+@pytest.mark.parametrize("workflow", ["chord", "chain"])
+def test_stale_member_refused_for_another_job__the_workflow_ends_with_an_error(
+    broker: Broker, lease_db: str, workflow: str
+) -> None:
+    """A workflow member refused as stale while *another* job holds its key is stored as
+    FAILURE(StaleToken) (R2), and no execution of its task id will ever run again: the
+    chord (or chain) waiting on it must end with that error, not wait forever."""
+    app = broker.app
+    member = app.signature("seams.keyed", (1,))
+    if workflow == "chord":
+        result = chord(
+            [member, app.signature("seams.step", ("b",))], app.signature("seams.sink")
+        )()
+        deliver(app, broker.one("seams.step"))  # the other header member completes
+    else:
+        result = chain(member, app.signature("seams.sink")).apply_async()
+    message = broker.one("seams.keyed")
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, message[0]["id"], 1))
+    app.signature("seams.keyed", (1,)).apply_async(task_id="other-1")
+    b = Execution(app, broker.sent("seams.keyed")[1], "B")
+    granted(lease_db, "other-1", 2)
+    a.finish()
+    b.finish()
+    row = TaskResult.objects.using(lease_db).get(task_id=message[0]["id"])
+    assert (row.status, "StaleToken" in row.result) == ("FAILURE", True)
+    assert broker.sent("seams.sink") == []
+    # the caller of the workflow gets the error (here: the body / last step is failed)
+    assert TaskResult.objects.using(lease_db).filter(task_id=result.id, status="FAILURE").exists()
