@@ -33,6 +33,16 @@ def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
         return
     setattr(request, HELD, None)
     callbacks, chain = held
+    try:
+        _send(app, task_id, request, retval, callbacks, chain)
+    except BaseException:
+        # Not sent (a broker error): the tracer records the task as failed, and Celery's
+        # failure handling needs the chain back to mark the remaining steps failed.
+        request.callbacks, request.chain = callbacks, chain
+        raise
+
+
+def _send(app: Any, task_id: str, request: Any, retval: Any, callbacks: Any, chain: Any) -> None:
     root_id = request.root_id or task_id
     info = request.delivery_info or {}
     priority = info.get("priority") if app.conf.task_inherit_parent_priority else None

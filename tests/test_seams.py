@@ -501,3 +501,60 @@ def test_stale_member_refused_for_another_job__the_workflow_ends_with_an_error(
     assert broker.sent("seams.sink") == []
     # the caller of the workflow gets the error (here: the body / last step is failed)
     assert TaskResult.objects.using(lease_db).filter(task_id=result.id, status="FAILURE").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Exception raised outside body:RuntimeWarning")
+def test_chain_step_publish_fails__the_failure_reaches_the_chain(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The current execution succeeds but its next chain step cannot be published (a
+    broker error): as in Celery, the task is recorded FAILURE and the chain's remaining
+    steps are marked failed, so the chain's caller gets the error instead of waiting."""
+    from kombu.exceptions import OperationalError
+
+    app = broker.app
+    result = chain(app.signature("seams.step", ("p",)), app.signature("seams.sink")).apply_async()
+    message = broker.one("seams.step")
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("broker down")
+
+    monkeypatch.setattr(app.tasks["seams.sink"], "apply_async", refused)
+    deliver(app, message)
+    assert status(lease_db, message[0]["id"])[0] == "FAILURE"
+    assert status(lease_db, result.id)[0] == "FAILURE"  # the chain's last step
+    lease = Lease.objects.using(lease_db).get(task_id=message[0]["id"])
+    assert lease.released_at is not None
+
+
+def test_busy_resend_publish_fails__the_message_is_requeued_not_failed(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delivery that finds the key busy is sent again by the package itself; when that
+    re-send cannot be published, the job must not end (Celery's retry() turns a failed
+    publish into Reject(requeue=False), which the worker records as FAILURE and acks)."""
+    from celery.exceptions import Reject
+    from kombu.exceptions import OperationalError
+
+    app = broker.app
+    app.signature("seams.keyed", (3,)).apply_async(task_id="holder-3")
+    app.signature("seams.keyed", (3,)).apply_async(task_id="waiting-3")
+    holder, waiting = broker.sent("seams.keyed")
+    a = Execution(app, holder, "A")
+    granted(lease_db, "holder-3", 1)
+    task = app.tasks["seams.keyed"]
+    original = task.apply_async
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("broker down")
+
+    monkeypatch.setattr(task, "apply_async", refused)
+    try:
+        outcome = deliver(app, waiting)
+    finally:
+        monkeypatch.setattr(task, "apply_async", original)
+        a.finish()
+    rejected = outcome[0].exception  # what the worker's main process acts on
+    rejected = getattr(rejected, "exc", rejected)
+    assert isinstance(rejected, Reject)
+    assert rejected.requeue  # the worker puts the message back: the job is not lost
