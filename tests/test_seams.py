@@ -558,3 +558,106 @@ def test_busy_resend_publish_fails__the_message_is_requeued_not_failed(
     rejected = getattr(rejected, "exc", rejected)
     assert isinstance(rejected, Reject)
     assert rejected.requeue  # the worker puts the message back: the job is not lost
+
+
+def test_in_process_pool_report__ends_no_grant_of_another_execution(
+    broker: Broker, lease_db: str
+) -> None:
+    """In the threads (or solo) pool the executions run in the worker's main process, so
+    the pool pid the main process reports with is its own and names every execution of
+    the worker. A stale execution's Reject(requeue=False), reported by the main process
+    as FAILURE, must not end the grant of the current execution of the same task id
+    running in another thread of that worker, nor record anything."""
+    import os
+
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.exceptions import Reject
+
+    from celery_fenced.requests import FencedRequest
+
+    app = broker.app
+    app.signature("seams.step", ("t",)).apply_async(task_id="threads-1")
+    message = broker.one("seams.step")
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, "threads-1", 1))
+    b = Execution(app, message, "B")
+    granted(lease_db, "threads-1", 2)
+    # the worker's request of A, accepted by the threads pool (apply_target: os.getpid())
+    request = FencedRequest(
+        TaskMessage("seams.step", id="threads-1", args=("t",)),
+        app=app,
+        task=app.tasks["seams.step"],
+        hostname="w@seams",
+    )
+    request.on_accepted(os.getpid(), time.monotonic())
+    a.finish()
+    app.backend.mark_as_failure(
+        "threads-1", Reject("stale", requeue=False), request=request._context
+    )
+    current = Lease.objects.using(lease_db).get(task_id="threads-1")
+    assert (current.token, current.released_at) == (2, None)  # B still holds its grant
+    b.finish()
+    assert status(lease_db, "threads-1") == ("SUCCESS", '"t@2"')
+
+
+@ORDERS
+def test_ignore_result__stale_success_sends_no_callback_and_the_current_one_sends_it(
+    broker: Broker, lease_db: str, stale_last: bool
+) -> None:
+    app = broker.app
+    app.signature("seams.step", ("i",)).apply_async(
+        link=app.signature("seams.sink"), ignore_result=True
+    )
+    message = broker.one("seams.step")
+    stale_then_current(broker, lease_db, message, stale_last)
+    assert list(broker.one("seams.sink")[1][0]) == ["i@2"]
+    assert not TaskResult.objects.using(lease_db).filter(task_id=message[0]["id"]).exists()
+    lease = Lease.objects.using(lease_db).get(task_id=message[0]["id"])
+    assert (lease.token, lease.released_at is not None, bool(lease.completed_digest)) == (
+        2,
+        True,
+        True,
+    )
+
+
+def test_eager__callbacks_run_once_and_the_lease_is_released(
+    broker: Broker, lease_db: str
+) -> None:
+    app = broker.app
+    app.conf.task_always_eager = True
+    result = app.signature("seams.step", ("e",)).apply_async(link=app.signature("seams.sink"))
+    assert result.get() == "e@1"
+    assert [run[:2] for run in RUNS] == [("seams.step", "e"), ("seams.sink", ("e@1",))]
+    lease = Lease.objects.using(lease_db).get()
+    assert lease.released_at is not None
+
+
+@pytest.mark.parametrize("original_first", [True, False], ids=["original-first", "resent-first"])
+def test_reclaimed_job__original_completes_later_and_the_job_runs_and_chains_once(
+    broker: Broker, lease_db: str, original_first: bool
+) -> None:
+    """The reclaimer re-sends an expired job whose original execution is only paused;
+    the original then completes (no successor yet, or after the re-send ran). Either way
+    the body's result is recorded once and the next chain step is sent once."""
+    from celery_fenced.reclaim import reclaim_expired
+
+    app = broker.app
+    chain(app.signature("seams.step", ("c",)), app.signature("seams.sink")).apply_async()
+    message = broker.one("seams.step")
+    task_id = message[0]["id"]
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, task_id, 1))
+    wait_for(lambda: reclaim_expired(app, grace=0, using=lease_db), "the re-send")
+    resent = broker.sent("seams.step")[1]
+    assert resent[0]["id"] == task_id
+    if original_first:
+        a.finish()
+        deliver(app, resent)  # a completed duplicate: skipped
+        expected = "c@1"
+    else:
+        deliver(app, resent)
+        a.finish()  # refused: the re-sent execution owns the result
+        expected = "c@2"
+    assert list(broker.one("seams.sink")[1][0]) == [expected]
+    assert status(lease_db, task_id) == ("SUCCESS", f'"{expected}"')
+    assert len([run for run in RUNS if run[0] == "seams.step"]) == (1 if original_first else 2)
