@@ -314,7 +314,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 **(getattr(request, "meta", None) or {}),
                 "stale_fencing_token": lease.token,
             }
-            super()._store_result(task_id, failure, states.FAILURE, None, request, None)
+
+            def store_failure() -> None:
+                super(FencedDatabaseBackend, self)._store_result(
+                    task_id, failure, states.FAILURE, None, request, None
+                )
+
+            # checked like an untokened write (R1): a newer execution of this task id
+            # may have stored its result before another job took the key
+            self._untokened(task_id, states.FAILURE, request, store_failure)
 
     # -- untokened writes -----------------------------------------------------------------
     def _is_fenced(self, request: Any) -> bool:

@@ -661,3 +661,24 @@ def test_reclaimed_job__original_completes_later_and_the_job_runs_and_chains_onc
     assert list(broker.one("seams.sink")[1][0]) == [expected]
     assert status(lease_db, task_id) == ("SUCCESS", f'"{expected}"')
     assert len([run for run in RUNS if run[0] == "seams.step"]) == (1 if original_first else 2)
+
+
+def test_stale_failure_store__never_overwrites_a_newer_execution_of_the_same_task(
+    broker: Broker, lease_db: str
+) -> None:
+    """R1. A's grant expires; a redelivery A2 of the same task id takes over (token 2)
+    and stores SUCCESS; then another job takes the key (token 3). Only then does A finish:
+    its outcome is refused, and the FAILURE(StaleToken) R2 stores for a task id nobody
+    else holds must not overwrite A2's result, written under a newer token."""
+    app = broker.app
+    app.signature("seams.keyed", (4,)).apply_async(task_id="job-4")
+    message = broker.one("seams.keyed")
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, "job-4", 1))
+    deliver(app, message)  # A2: token 2, SUCCESS
+    assert status(lease_db, "job-4") == ("SUCCESS", '"4@2"')
+    app.signature("seams.keyed", (4,)).apply_async(task_id="other-4")
+    deliver(app, broker.sent("seams.keyed")[1])  # another job: token 3
+    a.finish()
+    assert status(lease_db, "job-4") == ("SUCCESS", '"4@2"')
+    assert LeaseEvent.objects.using(lease_db).filter(kind="stale_write_rejected").count() == 1
