@@ -682,3 +682,27 @@ def test_stale_failure_store__never_overwrites_a_newer_execution_of_the_same_tas
     a.finish()
     assert status(lease_db, "job-4") == ("SUCCESS", '"4@2"')
     assert LeaseEvent.objects.using(lease_db).filter(kind="stale_write_rejected").count() == 1
+
+
+def test_callbacks__published_as_the_tracer_publishes_them(broker: Broker, lease_db: str) -> None:
+    """Celery's tracer publishes callbacks and chain steps through ``_retry_publish``:
+    each message retried on its own, a bounded number of times. The backend that sends
+    them for the tracer does the same (inside the lease's transaction, an unbounded
+    publish retry would hold the lease row, on SQLite the database, for the outage)."""
+    from celery.app import amqp
+
+    app = broker.app
+    seen: list[bool] = []
+
+    def record(sender: Any = None, **_: Any) -> None:
+        if sender == "seams.sink":
+            seen.append(amqp._callback_publish_retry.get())
+
+    signals.before_task_publish.connect(record, weak=False)
+    try:
+        step = app.signature("seams.step", ("q",), link=app.signature("seams.sink"))
+        chain(step, app.signature("seams.sink")).apply_async()
+        deliver(app, broker.one("seams.step"))
+    finally:
+        signals.before_task_publish.disconnect(record)
+    assert seen == [True, True]
