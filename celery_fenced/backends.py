@@ -90,6 +90,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         call_errbacks: bool = True,
         state: str = states.FAILURE,
     ) -> None:
+        workflow.restore_successors(request)  # a success that was not settled
+
         def drive() -> None:
             super(FencedDatabaseBackend, self).mark_as_failure(
                 task_id, exc, traceback, request, store_result, call_errbacks, state

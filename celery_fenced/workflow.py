@@ -73,3 +73,15 @@ def _send(app: Any, task_id: str, request: Any, retval: Any, callbacks: Any, cha
     if chain:
         step = signature(chain[-1], app=app)
         publish(step.apply_async, (retval,), chain=chain[:-1], **options)
+
+
+def restore_successors(request: Any) -> None:
+    """Give ``request`` back what :func:`hold_successors` took and nothing sent.
+
+    For a success that could not be settled (the tracer then records a failure): Celery's
+    failure handling marks the chain's remaining steps failed from ``request.chain``.
+    """
+    held = getattr(request, HELD, None) if request is not None else None
+    if held:
+        setattr(request, HELD, None)
+        request.callbacks, request.chain = held

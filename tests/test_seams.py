@@ -706,3 +706,32 @@ def test_callbacks__published_as_the_tracer_publishes_them(broker: Broker, lease
     finally:
         signals.before_task_publish.disconnect(record)
     assert seen == [True, True]
+
+
+@pytest.mark.filterwarnings("ignore:Exception raised outside body:RuntimeWarning")
+def test_success_not_settled__database_error_before_the_proof_fails_the_chain(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database fails as the current execution's SUCCESS is settled, before anything
+    is sent: as in Celery, the tracer records FAILURE, and the chain's remaining steps are
+    marked failed (the backend still holds them), not left pending forever."""
+    from django.db import OperationalError
+
+    from celery_fenced import dialects
+
+    app = broker.app
+    result = chain(app.signature("seams.step", ("d",)), app.signature("seams.sink")).apply_async()
+    message = broker.one("seams.step")
+    dialect = type(dialects.for_alias(lease_db))
+    original = dialect.release_current
+
+    def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "SUCCESS" in args or kwargs.get("state") == "SUCCESS":
+            raise OperationalError("connection lost")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(dialect, "release_current", flaky)
+    deliver(app, message)
+    assert status(lease_db, message[0]["id"])[0] == "FAILURE"
+    assert status(lease_db, result.id)[0] == "FAILURE"  # the chain's last step
+    assert broker.sent("seams.sink") == []
