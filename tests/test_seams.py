@@ -735,3 +735,53 @@ def test_success_not_settled__database_error_before_the_proof_fails_the_chain(
     assert status(lease_db, message[0]["id"])[0] == "FAILURE"
     assert status(lease_db, result.id)[0] == "FAILURE"  # the chain's last step
     assert broker.sent("seams.sink") == []
+
+
+def test_completed_job__redelivered_after_another_job_replaced_the_marker__does_not_run(
+    broker: Broker, lease_db: str
+) -> None:
+    """Job 1 completes under its key; job 2 (another task id) completes under the same key
+    and replaces the lease row's completion marker; a redelivery of job 1 is still found
+    completed (its ``released`` event) and does not run."""
+    app = broker.app
+    app.signature("seams.keyed", (5,)).apply_async(task_id="first-5")
+    app.signature("seams.keyed", (5,)).apply_async(task_id="second-5")
+    first, second = broker.sent("seams.keyed")
+    deliver(app, first)
+    deliver(app, second)
+    deliver(app, first)  # redelivered
+    assert [run[1] for run in RUNS if run[0] == "seams.keyed"] == [5, 5]
+    assert status(lease_db, "first-5") == ("SUCCESS", '"5@1"')
+    assert LeaseEvent.objects.using(lease_db).filter(kind="duplicate").count() == 1
+
+
+def test_stale_update_state__custom_state_not_written(broker: Broker, lease_db: str) -> None:
+    """A stale execution's update_state() with a custom state writes nothing over the
+    current execution's row."""
+    app = broker.app
+    app.signature("seams.step", ("u",)).apply_async(task_id="progress-1")
+    message = broker.one("seams.step")
+    task = app.tasks["seams.step"]
+    original = task.run
+
+    def run(value: str) -> str:
+        _gate("seams.step", value)
+        task.update_state(state="PROGRESS", meta={"by": threading.current_thread().name})
+        return f"{value}@{task.request.fencing_token}"
+
+    task.run = run
+    try:
+        a = Execution(app, message, "A")
+        expire(lease_db, granted(lease_db, "progress-1", 1))
+        b = Execution(app, message, "B")
+        granted(lease_db, "progress-1", 2)
+        b.gate.set()
+        wait_for(
+            lambda: TaskResult.objects.using(lease_db).filter(task_id="progress-1").exists(),
+            "B's result",
+        )
+        a.finish()
+        b.finish()
+    finally:
+        task.run = original
+    assert status(lease_db, "progress-1") == ("SUCCESS", '"u@2"')
