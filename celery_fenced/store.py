@@ -280,7 +280,7 @@ def acquire(
     ``fenced_duplicate_window``, raising
     :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
     :meth:`celery_fenced.dialects.Dialect.completed`); a release of this grant as
-    SUCCESS or FAILURE marks it completed.
+    SUCCESS, FAILURE (or REPLACED) marks it completed.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)

@@ -173,8 +173,18 @@ class FencedExecution:
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
+        from celery_fenced.dialects.records import REPLACED
+
         with self._proven():
-            return super().replace(sig)  # type: ignore[misc]
+            try:
+                return super().replace(sig)  # type: ignore[misc]
+            except Ignore as exc:
+                # The replacement was sent: the job is done here, so a copy of this
+                # message delivered later must not run it (and replace it) again. The
+                # release marks it completed, in the transaction that proved the send.
+                self._fenced_release(REPLACED)
+                replaced = exc
+        raise replaced
 
     def _proven(self) -> Any:
         """A ``guard()`` of the held lease, or nothing to prove (no lease, eager)."""

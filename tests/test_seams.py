@@ -785,3 +785,33 @@ def test_stale_update_state__custom_state_not_written(broker: Broker, lease_db: 
     finally:
         task.run = original
     assert status(lease_db, "progress-1") == ("SUCCESS", '"u@2"')
+
+
+def test_replaced_task__redelivered_copy_does_not_replace_it_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """The current execution replaces itself (Celery sends the replacement under the same
+    task id and raises Ignore); a copy of the original message delivered afterwards (a
+    broker redelivery, or the package's own busy re-send) must not run the body and
+    send the replacement a second time: the job was done."""
+    app = broker.app
+    app.signature("seams.step", ("r",)).apply_async(task_id="replaced-1")
+    message = broker.one("seams.step")
+    task = app.tasks["seams.step"]
+    original = task.run
+
+    def run(value: str) -> Any:
+        _gate("seams.step", value)
+        return task.replace(app.signature("seams.sink", ("replaced",)))
+
+    task.run = run
+    try:
+        deliver(app, message)
+        deliver(app, message)  # redelivered
+    finally:
+        task.run = original
+    assert len([run for run in RUNS if run[0] == "seams.step"]) == 1
+    assert len(broker.sent("seams.sink")) == 1
+    assert len(broker.sent("seams.step")) == 1  # not re-sent as busy either
+    assert Lease.objects.using(lease_db).get(task_id="replaced-1").released_at is not None
+    assert LeaseEvent.objects.using(lease_db).filter(kind="duplicate").count() == 1

@@ -57,9 +57,12 @@ class Delivery:
     retries: int
 
 
+#: the release state of an execution that replaced itself (``Task.replace``): the
+#: replacement, sent in the same transaction, does the rest of the job
+REPLACED = "REPLACED"
 #: the states of a release that mark its job completed (and as SQL)
-COMPLETED_STATES = ("SUCCESS", "FAILURE")
-COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE')"
+COMPLETED_STATES = ("SUCCESS", "FAILURE", REPLACED)
+COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE', 'REPLACED')"
 
 
 @dataclass(frozen=True)
