@@ -815,3 +815,36 @@ def test_replaced_task__redelivered_copy_does_not_replace_it_again(
     assert len(broker.sent("seams.step")) == 1  # not re-sent as busy either
     assert Lease.objects.using(lease_db).get(task_id="replaced-1").released_at is not None
     assert LeaseEvent.objects.using(lease_db).filter(kind="duplicate").count() == 1
+
+
+def test_retried_attempt__a_copy_of_its_message_does_not_run_the_job_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """Attempt 0 asks for a retry (message 1 is sent, the grant released as RETRY). A
+    copy of attempt 0's message delivered afterwards (a broker redelivery) is a duplicate
+    of a finished attempt: if it ran, it and the retry would each complete the job, and
+    the chain would go on twice."""
+    app = broker.app
+    chain(app.signature("seams.step", ("a",)), app.signature("seams.sink")).apply_async()
+    message = broker.one("seams.step")
+    task = app.tasks["seams.step"]
+    original = task.run
+    calls: list[int] = []
+
+    def run(value: str) -> Any:
+        calls.append(task.request.retries)
+        if len(calls) == 1:
+            raise task.retry(countdown=0)
+        return f"{value}@{task.request.fencing_token}"
+
+    task.run = run
+    try:
+        deliver(app, message)  # attempt 0: retry
+        retry = broker.sent("seams.step")[1]
+        assert retry[0]["retries"] == 1
+        deliver(app, message)  # attempt 0's message, redelivered
+        deliver(app, retry)
+    finally:
+        task.run = original
+    assert calls == [0, 1]
+    assert len(broker.sent("seams.sink")) == 1
