@@ -848,3 +848,18 @@ def test_retried_attempt__a_copy_of_its_message_does_not_run_the_job_again(
         task.run = original
     assert calls == [0, 1]
     assert len(broker.sent("seams.sink")) == 1
+
+
+@ORDERS
+def test_group_in_chain__stale_success_sends_no_group_and_the_current_one_sends_it_once(
+    broker: Broker, lease_db: str, stale_last: bool
+) -> None:
+    from celery import group
+
+    app = broker.app
+    sinks = group(app.signature("seams.sink"), app.signature("seams.sink"))
+    chain(app.signature("seams.step", ("g",)), sinks).apply_async()
+    message = broker.one("seams.step")
+    stale_then_current(broker, lease_db, message, stale_last)
+    sent = broker.sent("seams.sink")
+    assert [list(body[0]) for _, body in sent] == [["g@2"], ["g@2"]]
