@@ -32,7 +32,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import states
-from django.db import InterfaceError, OperationalError, connections, router, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
@@ -84,6 +91,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         call_errbacks: bool = True,
         state: str = states.FAILURE,
     ) -> None:
+        workflow.restore_successors(request)  # a success that was not settled
+
         def drive() -> None:
             super(FencedDatabaseBackend, self).mark_as_failure(
                 task_id, exc, traceback, request, store_result, call_errbacks, state
@@ -105,6 +114,28 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             )
 
         self._report(task_id, reason, state, request, drive)
+
+    def _call_task_errbacks(self, request: Any, exc: Any, traceback: Any) -> None:
+        """Celery's errbacks; inside a proven transaction, in a savepoint of their own.
+
+        Celery runs an errback of the old ``(request, exc, traceback)`` signature inline
+        and logs and swallows what it raises. Inside the transaction that settles the
+        task, a database error of that errback would mark the whole transaction for
+        rollback: the task's outcome and the lease's release would silently go with it.
+        The savepoint keeps the errback's failure its own, as without fencing.
+        """
+        lease = getattr(request, "_fenced_proven", None) if request is not None else None
+        if not isinstance(lease, HeldLease):
+            super()._call_task_errbacks(request, exc, traceback)
+            return
+        try:
+            with transaction.atomic(using=lease.alias):
+                super()._call_task_errbacks(request, exc, traceback)
+        except DatabaseError:
+            logger.exception(
+                "an errback of task %s failed in the database; the task's outcome stands",
+                getattr(request, "id", None),
+            )
 
     def _report(
         self, task_id: str, result: Any, state: str, request: Any, drive: Callable[[], None]
@@ -253,6 +284,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 then()
             finally:
                 request._fenced_proven = None
+            if connections[lease.alias].needs_rollback:
+                # something ``then`` ran swallowed a database error: the commit would
+                # silently be a rollback of the outcome and the release
+                raise DatabaseError(
+                    f"the {status} outcome of task {task_id} was not settled: a "
+                    "database error inside its transaction was swallowed"
+                )
 
     def _write_row(
         self, task_id: str, result: Any, status: str, traceback: Any, request: Any, using: Any
@@ -325,19 +363,25 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             # execution's own grant expired (a state that is not final): nothing stored.
             return
         if status in states.READY_STATES:
-            failure = self.encode_result(stale, states.FAILURE)
             request.meta = {
                 **(getattr(request, "meta", None) or {}),
                 "stale_fencing_token": lease.token,
             }
 
-            def write() -> None:
-                DatabaseBackend._store_result(
-                    self, task_id, failure, states.FAILURE, None, request
-                )
+            def fail() -> None:
+                # No execution of this task id will run again: its FAILURE(StaleToken) —
+                # not the stale execution's outcome — reaches the workflow once (the
+                # chain's remaining steps, the chord, the errbacks), so that a caller
+                # waiting on it gets the error rather than waiting for ever.
+                workflow.restore_successors(request)
+                request._fenced_lease = None  # the row is written as checked, untokened
+                try:
+                    DatabaseBackend.mark_as_failure(self, task_id, stale, None, request)
+                finally:
+                    request._fenced_lease = lease
 
             # never over a final outcome already recorded (a REVOKED, another result)
-            self._untokened(task_id, states.FAILURE, request, write, over_final=False)
+            self._untokened(task_id, states.FAILURE, request, fail, over_final=False)
 
     def _settled_by(self, task_id: str, lease: HeldLease) -> bool:
         """Whether ``task_id``'s row holds a final result written under ``lease``."""
@@ -451,7 +495,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         key = decoded.get("lease_key")
         if not isinstance(key, str):
             return True
-        return not store.grant_live_since(key, token)
+        return not store.grant_live_since(key, token, task_id)
 
 
 __all__ = ["FencedDatabaseBackend", "StaleToken"]

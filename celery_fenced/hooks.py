@@ -74,13 +74,15 @@ def fence_configured_tasks(app: Any) -> list[str]:
 def validate_fenced_tasks(app: Any) -> bool:
     """Merge every fenced task's options over the settings now, so a mismatch (say a
     global ``fenced_renew_interval`` not shorter than one task's ``lease_ttl``) stops the
-    worker at start, naming the task, instead of failing each execution. Returns whether
-    the app has any fenced task."""
+    worker at start, naming the task, instead of failing each execution; give each the
+    fenced worker request over its own. Returns whether the app has any fenced task."""
+    from celery_fenced.requests import fence_request_class
     from celery_fenced.task import FencedExecution
 
     fenced = [task for task in list(app.tasks.values()) if isinstance(task, FencedExecution)]
     for task in fenced:
         task.fenced_options()
+        fence_request_class(task)
     return bool(fenced)
 
 

@@ -8,6 +8,7 @@ an object a message cannot forge, so the backend ends only that process's grant.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,8 @@ class EndedProcess:
     """The pool process an execution ran in, as the prefix of its lease owners.
 
     ``owner_prefix`` is None for a delivery that never started (expired, revoked before
-    it ran): it held no grant.
+    it ran): it held no grant; and for an execution of an in-process pool (threads,
+    solo), which ends its own grant.
     """
 
     owner_prefix: str | None
@@ -35,7 +37,11 @@ class FencedRequestMixin:
     def _context(self) -> Any:
         context = Request._context.__get__(self, type(self))  # type: ignore[attr-defined]
         pid = self.worker_pid
-        context._fenced_process = EndedProcess(f"{self.hostname}:{pid}:" if pid else None)
+        # A pool that runs executions in this very process (threads, solo) reports this
+        # process's pid, which names every execution of the worker: there the execution
+        # ends its grant itself, and the report ends none.
+        separate = bool(pid) and pid != os.getpid()
+        context._fenced_process = EndedProcess(f"{self.hostname}:{pid}:" if separate else None)
         return context
 
 
@@ -53,3 +59,18 @@ def request_class_for(base: Any) -> Any:
     if issubclass(cls, FencedRequestMixin):
         return cls
     return type(f"Fenced{cls.__name__}", (FencedRequestMixin, cls), {})
+
+
+def fence_request_class(task: Any) -> None:
+    """Give a fenced task the fenced request over its own ``Request`` (at worker start).
+
+    A task of the base class that names its own ``Request`` (``@app.task(base=FencedTask,
+    Request=MyRequest)``) would otherwise lose the fenced one: the main process's reports
+    of its hard time limits and lost children could then not tell which grant ended, and
+    would record nothing.
+    """
+    cls = type(task)
+    current = getattr(cls, "Request", None) or Request
+    fenced = request_class_for(current)
+    if fenced is not current:
+        cls.Request = fenced

@@ -317,7 +317,7 @@ def acquire(
     ``fenced_duplicate_window``, raising
     :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
     :meth:`celery_fenced.dialects.Dialect.completed`); a release of this grant as
-    SUCCESS or FAILURE marks it completed.
+    SUCCESS, FAILURE (or REPLACED) marks it completed.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
@@ -549,11 +549,15 @@ def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
     return None if row is None else (row[0], row[1] is not None)
 
 
-def grant_live_since(key: str, token: int, *, using: str | None = None) -> bool:
-    """Whether ``key`` is granted, unreleased, under ``token`` or a newer one."""
+def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = None) -> bool:
+    """Whether ``key`` is granted to ``task_id``, unreleased, under ``token`` or a newer one.
+
+    Another job's grant of the key does not count: it will never record ``task_id``'s
+    outcome.
+    """
     return (
         Lease._default_manager.using(database_alias(using))
-        .filter(key=key, token__gte=token, released_at__isnull=True)
+        .filter(key=key, token__gte=token, task_id=task_id, released_at__isnull=True)
         .exists()
     )
 

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from celery import Task, states
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from celery_fenced import conf, context, keys, workflow
 from celery_fenced.exceptions import (
@@ -180,8 +181,18 @@ class FencedExecution:
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
+        from celery_fenced.dialects.records import REPLACED
+
         with self._proven():
-            return super().replace(sig)  # type: ignore[misc]
+            try:
+                return super().replace(sig)  # type: ignore[misc]
+            except Ignore as exc:
+                # The replacement was sent: the job is done here, so a copy of this
+                # message delivered later must not run it (and replace it) again. The
+                # release marks it completed, in the transaction that proved the send.
+                self._fenced_release(REPLACED)
+                replaced = exc
+        raise replaced
 
     def _proven(self) -> Any:
         """A ``guard()`` of the held lease, or nothing to prove (no lease, eager)."""
@@ -330,6 +341,15 @@ class FencedExecution:
             request.retries = retries - 1
         try:
             raise retry(exc=exc, countdown=countdown, max_retries=limit, **options)
+        except Reject as rejected:
+            # Celery's retry() rejects the message without requeueing when the re-send
+            # cannot be published, and the worker then records the job as FAILURE: for a
+            # re-send of the package's own (a busy key, a lost grant, a database error)
+            # the message goes back to the queue instead, so the job is not lost.
+            reason = getattr(rejected, "reason", None)
+            if not eager and isinstance(reason, (KombuOperationalError, OSError)):
+                raise Reject(reason, requeue=True) from reason
+            raise
         finally:
             request.retries = retries
             self.__dict__.pop("override_max_retries", None)

@@ -33,10 +33,30 @@ def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
         return
     setattr(request, HELD, None)
     callbacks, chain = held
+    try:
+        _send(app, task_id, request, retval, callbacks, chain)
+    except BaseException:
+        # Not sent (a broker error): the tracer records the task as failed, and Celery's
+        # failure handling needs the chain back to mark the remaining steps failed.
+        request.callbacks, request.chain = callbacks, chain
+        raise
+
+
+def _send(app: Any, task_id: str, request: Any, retval: Any, callbacks: Any, chain: Any) -> None:
     root_id = request.root_id or task_id
     info = request.delivery_info or {}
     priority = info.get("priority") if app.conf.task_inherit_parent_priority else None
     options: dict[str, Any] = {"parent_id": task_id, "root_id": root_id, "priority": priority}
+    # as the tracer does: each message retried on its own, a bounded number of times
+    # (Celery's own policy could otherwise retry forever while the lease row is locked)
+    retry_publish = getattr(app.amqp, "_retry_publish", None)
+
+    def publish(send: Any, *args: Any, **kwargs: Any) -> None:
+        if retry_publish is not None:
+            retry_publish(send, *args, **kwargs)
+        else:
+            send(*args, **kwargs)
+
     if callbacks:
         if len(callbacks) > 1:
             sigs: list[Any] = []
@@ -45,11 +65,23 @@ def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
                 sig = signature(callback, app=app)
                 (groups if isinstance(sig, group) else sigs).append(sig)
             for group_ in groups:
-                group_.apply_async((retval,), **options)
+                publish(group_.apply_async, (retval,), **options)
             if sigs:
-                group(sigs, app=app).apply_async((retval,), **options)
+                publish(group(sigs, app=app).apply_async, (retval,), **options)
         else:
-            signature(callbacks[0], app=app).apply_async((retval,), **options)
+            publish(signature(callbacks[0], app=app).apply_async, (retval,), **options)
     if chain:
         step = signature(chain[-1], app=app)
-        step.apply_async((retval,), chain=chain[:-1], **options)
+        publish(step.apply_async, (retval,), chain=chain[:-1], **options)
+
+
+def restore_successors(request: Any) -> None:
+    """Give ``request`` back what :func:`hold_successors` took and nothing sent.
+
+    For a success that could not be settled (the tracer then records a failure): Celery's
+    failure handling marks the chain's remaining steps failed from ``request.chain``.
+    """
+    held = getattr(request, HELD, None) if request is not None else None
+    if held:
+        setattr(request, HELD, None)
+        request.callbacks, request.chain = held

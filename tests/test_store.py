@@ -415,7 +415,10 @@ def completion(alias: str, done: Delivery, state: str = "SUCCESS", key: str = ""
         ("FAILURE", 1, 1, "m1", True),
         ("FAILURE", 0, 1, "m1", False),  # a retry the body asked for before it failed
         ("SUCCESS", 0, 0, "m2", False),  # the task id reused for a new job
-        ("RETRY", 0, 0, "m1", False),  # not completed: the retry runs
+        # released as RETRY once the retry (retries + 1) was sent: a copy of the attempt's
+        # own message does not run, the retry it asked for does
+        ("RETRY", 0, 0, "m1", True),
+        ("RETRY", 0, 1, "m1", False),
         ("REVOKED", 0, 0, "m1", False),
     ],
 )

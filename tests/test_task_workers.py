@@ -297,15 +297,23 @@ def test_pause_past_ttl_without_successor__job_retried_and_completes(
     assert ("released", first.token + 1) in kinds
 
 
-@pytest.mark.parametrize("ending", ["revoke_terminate", "hard_time_limit"])
+@pytest.mark.parametrize(
+    ("ending", "task"),
+    [
+        ("revoke_terminate", PROBE),
+        ("hard_time_limit", PROBE),
+        # a task of the base class with a worker request class of its own
+        ("hard_time_limit", PROBE + "_own_request"),
+    ],
+)
 def test_execution_ended_by_the_worker__grant_released_at_once(
-    alias: str, start_worker: Any, ending: str
+    alias: str, start_worker: Any, ending: str, task: str
 ) -> None:
     """The main process ends the execution (revoke --terminate, a hard time limit): the
     grant is force-released then, not left to run out its 30 s ttl."""
     start_worker("a")
     options = {"time_limit": 1} if ending == "hard_time_limit" else {}
-    task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
+    task_id = send(task, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
     lease = wait_for(lambda: Lease.objects.using(alias).first(), 30, "the grant")
     if ending == "revoke_terminate":
         import os
@@ -329,6 +337,13 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
     end = ends.get()
     if end.kind == "force_released":
         assert end.detail["by"].startswith("worker:")
+    if ending == "hard_time_limit":  # and the job's outcome is recorded
+        row = wait_for(
+            lambda: TaskResult.objects.using(alias).filter(task_id=task_id).first(),
+            15,
+            "the job's result",
+        )
+        assert (row.status, "TimeLimitExceeded" in row.result) == ("FAILURE", True)
 
 
 def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_redelivery(

@@ -369,7 +369,7 @@ class Dialect:
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
         """Whether ``delivery``'s job completed within the last ``window`` seconds.
 
-        Completed: released as SUCCESS or FAILURE under its lease, by a delivery of the
+        Completed: released as SUCCESS, FAILURE or REPLACED under its lease, by a delivery of the
         same task id and message (``digest``) retried at least as often. A delivery
         whose ``retries`` is above the completed one's is a retry the body asked for
         before that execution ended: it is not a duplicate. Read from the lease row's

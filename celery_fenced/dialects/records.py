@@ -57,9 +57,14 @@ class Delivery:
     retries: int
 
 
-#: the states of a release that mark its job completed (and as SQL)
-COMPLETED_STATES = ("SUCCESS", "FAILURE")
-COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE')"
+#: the release state of an execution that replaced itself (``Task.replace``): the
+#: replacement, sent in the same transaction, does the rest of the job
+REPLACED = "REPLACED"
+#: the states of a release that mark its delivery's attempt finished (and as SQL): a
+#: RETRY release comes after the retry message (retries + 1) was sent, so only that one,
+#: not a copy of this attempt's message, runs the job on
+COMPLETED_STATES = ("SUCCESS", "FAILURE", REPLACED, "RETRY")
+COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE', 'REPLACED', 'RETRY')"
 
 
 @dataclass(frozen=True)

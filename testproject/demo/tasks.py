@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from celery import shared_task
+from celery.worker.request import Request
 
 from celery_fenced import FencedTask, current_lease, fenced_update
 from testproject.demo.models import LedgerEntry, Report
@@ -80,3 +81,13 @@ def probe(self: Any, seconds: float = 0.0, marker: str = "") -> dict[str, Any]:
         "lost": lost,
         "marker": marker,
     }
+
+
+class AuditedRequest(Request):  # type: ignore[misc]
+    """A project's own worker request class, as ``Request=`` on a fenced task."""
+
+
+@shared_task(bind=True, base=FencedTask, lease_ttl=30, Request=AuditedRequest)
+def probe_own_request(self: Any, seconds: float = 0.0, marker: str = "") -> dict[str, Any]:
+    """``probe`` with a worker request class of its own."""
+    return probe.run(seconds, marker)  # type: ignore[no-any-return]
