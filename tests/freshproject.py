@@ -9,6 +9,7 @@ SQLite and the broker kombu's filesystem transport (no server) unless a test say
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,10 +103,12 @@ def env() -> dict[str, str]:
     }
 
 
-def run(root: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run(
+    root: Path, *args: str, timeout: float = 60, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
     """``python <args>`` in the project, standard error merged into the output."""
     return subprocess.run(
-        [sys.executable, *args],
+        [python, *args],
         cwd=root,
         env=env(),
         stdout=subprocess.PIPE,
@@ -115,12 +118,12 @@ def run(root: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProc
     )
 
 
-def worker(root: Path, log: Path) -> subprocess.Popen[bytes]:
+def worker(root: Path, log: Path, python: str = sys.executable) -> subprocess.Popen[bytes]:
     """``celery -A proj worker`` in the project (solo pool), its output in ``log``."""
     with open(log, "wb") as out:
         return subprocess.Popen(
             [
-                sys.executable,
+                python,
                 "-m",
                 "celery",
                 "-A",
@@ -140,3 +143,14 @@ def worker(root: Path, log: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop a worker started by :func:`worker` (warm shutdown, then kill)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
