@@ -199,3 +199,22 @@ def test_first_run__worker_logs_warnings_and_one_start_up_line(tmp_path: Path) -
     warnings = [line for line in lines if "(celery_fenced.W002)" in line]
     assert len(warnings) == 1, output
     assert "WARNING" in warnings[0]
+
+
+def test_first_run__fenced_settings_without_the_app_stop_the_worker(tmp_path: Path) -> None:
+    root = freshproject.make(
+        tmp_path,
+        settings='INSTALLED_APPS = ["django_celery_results", "shop"]\n'
+        'CELERY_RESULT_BACKEND = "django-db"\n'
+        'CELERY_FENCED_TASKS = {"shop.tasks.plain": {"ttl": 30}}',
+        tasks="from celery import shared_task\n\n\n@shared_task\ndef plain(x):\n    return x\n",
+    )
+    run = freshproject.run(root, "-m", "celery", "-A", "proj", "worker", "--pool", "solo")
+    assert run.returncode == 1, run.stdout
+    lines = [line for line in run.stdout.splitlines() if "INSTALLED_APPS" in line]
+    assert lines == [
+        "celery-fenced: celery-fenced needs both 'django_celery_results' and 'celery_fenced' "
+        "in INSTALLED_APPS; missing: 'celery_fenced'. Add: INSTALLED_APPS += "
+        "['celery_fenced'] (CELERY_FENCED_TASKS would be ignored: the tasks they name would "
+        "run unfenced)"
+    ], run.stdout
