@@ -45,21 +45,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_fenced' has no attribute {name!r}")
-    _require_apps()
     import importlib
 
+    from celery_fenced.checks import require_apps
+
+    require_apps()  # names both apps, instead of Django's error about a model class
     return getattr(importlib.import_module(module), name)
-
-
-def _require_apps() -> None:
-    """Name both apps when one is missing, instead of Django's error about a model class."""
-    from django.apps import apps
-
-    if not apps.apps_ready:
-        return  # importing the models raises Django's AppRegistryNotReady, which is clear
-    missing = [a for a in ("django_celery_results", "celery_fenced") if not apps.is_installed(a)]
-    if missing:
-        from celery_fenced.checks import installed_apps_message
-        from celery_fenced.exceptions import FencedConfigurationError
-
-        raise FencedConfigurationError(installed_apps_message(missing))

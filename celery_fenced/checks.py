@@ -119,6 +119,17 @@ def check_installed_apps(**kwargs: Any) -> list[checks.CheckMessage]:
     return [checks.Error(installed_apps_message(missing), id="celery_fenced.E004")]
 
 
+def require_apps() -> None:
+    """Raise, naming both apps, when one of them is not installed (once apps are ready)."""
+    from django.apps import apps
+
+    if not apps.apps_ready:
+        return  # importing the models raises Django's AppRegistryNotReady, which is clear
+    missing = [name for name in REQUIRED_APPS if not apps.is_installed(name)]
+    if missing:
+        raise FencedConfigurationError(installed_apps_message(missing))
+
+
 def installed_apps_message(missing: list[str]) -> str:
     return (
         f"celery-fenced needs both {REQUIRED_APPS[0]!r} and {REQUIRED_APPS[1]!r} in "
