@@ -17,6 +17,7 @@ and what would be valid.
 | W004 | a lease ttl longer than the broker's visibility timeout |
 | W005 | a task's hard time limit longer than the broker's visibility timeout |
 | W006 | a renew interval above half the ttl |
+| W007 | the task modules fail to load for another reason: the fenced tasks go unchecked |
 """
 
 from __future__ import annotations
@@ -190,6 +191,15 @@ def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
                 f"a task module failed to load: {exc}",
                 hint="Fix the task's lease options; the worker would not start.",
                 id="celery_fenced.E005",
+            )
+        ]
+    except Exception as exc:  # not ours to judge; the project's own import error
+        return [
+            checks.Warning(
+                f"the project's task modules could not be loaded "
+                f"({type(exc).__name__}: {exc}), so its fenced tasks were not checked.",
+                hint="The worker imports the same modules at start and would fail the same.",
+                id="celery_fenced.W007",
             )
         ]
     try:

@@ -76,6 +76,16 @@ def refund(self, order_id):
             id="E005-template",
         ),
         pytest.param(
+            "",
+            "import not_installed_anywhere\n",
+            [
+                "(celery_fenced.W007) the project's task modules could not be loaded "
+                "(ModuleNotFoundError: No module named 'not_installed_anywhere'), so its "
+                "fenced tasks were not checked."
+            ],
+            id="W007-import-error",
+        ),
+        pytest.param(
             'CELERY_RESULT_BACKEND = "django-db"',
             freshproject.TASKS_PY,
             [
