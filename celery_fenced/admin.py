@@ -24,8 +24,8 @@ from django.db.models import Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 
 from celery_fenced import operations, paging, timeline
 from celery_fenced.models import Lease, LeaseEvent
@@ -182,7 +182,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         "token",
         "state_badge",
         "owner",
-        "task_name",
+        "task_name_column",
         "task_link",
         "expires_in",
         "last_renewed",
@@ -194,7 +194,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     date_hierarchy = "acquired_at"
     ordering = ("-acquired_at",)
     # only the columns an index can sort
-    sortable_by = ("key", "task_name", "expires_in", "acquired")
+    sortable_by = ("key", "task_name_column", "expires_in", "acquired")
     actions = ("force_release_selected",)
     change_form_template = "admin/celery_fenced/lease/change_form.html"
     change_list_template = CHANGE_LIST
@@ -264,6 +264,12 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     def reclaim_claimed(self, lease: Lease) -> str:
         """When the reclaimer last claimed this lease (the same format as the times)."""
         return when(lease.reclaim_claimed_at)
+
+    @admin.display(description="task name", ordering="task_name")
+    def task_name_column(self, lease: Lease) -> SafeString:
+        """The task name, allowed to wrap after each dot (a narrow column)."""
+        parts = lease.task_name.split(".")
+        return format_html_join(mark_safe(".<wbr>"), "{}", ((part,) for part in parts))
 
     @admin.display(description="task id")
     def task_link(self, lease: Lease) -> str:
