@@ -2,39 +2,49 @@
 
 ``result_backend = "celery_fenced.backends:FencedDatabaseBackend"`` (alias ``fenced-db``).
 
-- A fenced execution's result is written in one transaction that first locks the lease
+- A fenced execution's outcome is settled in one transaction that first locks the lease
   row and proves the execution's token current (R3); for a final state (or RETRY) one
   conditional ``UPDATE`` does both and releases the lease, in that same transaction, so a
   result write that fails rolls the release back. The token and key are stored in the
   row's ``meta``.
+- What the outcome drives happens inside that transaction, after the proof, or not at
+  all (R4): the ``link`` callbacks and the next chain step (which Celery's tracer would
+  send before storing the result: :class:`~celery_fenced.task.FencedTask` hands them to
+  the backend), the chord count, the chain successors marked failed and the errbacks.
 - A stale execution's outcome is never stored as the task's result (R2): when the newer
   grant belongs to the same task id nothing is written; otherwise the task is stored as
   FAILURE with :class:`~celery_fenced.StaleToken`.
-- An untokened write (a plain task id, or the worker's main process writing
-  ``WorkerLostError``) never overwrites a row written under a token that is final or whose
-  grant is still live (R1).
+- An untokened write (a plain task id, the worker's main process reporting a time limit,
+  a lost child or a revoke, a delivery that failed before its grant) never overwrites a
+  row written under a token that is final or whose grant is still live (R1): the check
+  and the write are one transaction holding the task id's result lock. For a fenced task
+  it records nothing while another execution holds a grant of the task id, and ends only
+  the grant of the process that ended.
 - Tasks that are not fenced are stored exactly as by ``DatabaseBackend``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import states
-from django.db import connections, router, transaction
+from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import dialects, store
+from celery_fenced import dialects, store, workflow
 from celery_fenced.exceptions import StaleToken
-from celery_fenced.models import Lease
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
 
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
-ENDED_ELSEWHERE = frozenset({"WorkerLostError", "TimeLimitExceeded", "Terminated"})
+#: pauses (seconds) between attempts to settle a final outcome while the database is away
+SETTLE_RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 class _Refused(Exception):
@@ -42,9 +52,77 @@ class _Refused(Exception):
         self.current = current
 
 
+def lease_of(request: Any) -> HeldLease | None:
+    """The grant an execution's request holds (set only by the worker at acquisition)."""
+    lease = getattr(request, "_fenced_lease", None) if request is not None else None
+    return lease if isinstance(lease, HeldLease) else None
+
+
 class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
     """A drop-in ``DatabaseBackend`` that refuses result writes under stale tokens."""
 
+    # -- what Celery's tracer and worker report ---------------------------------------
+    def mark_as_done(
+        self,
+        task_id: str,
+        result: Any,
+        request: Any = None,
+        store_result: bool = True,
+        state: str = states.SUCCESS,
+    ) -> None:
+        def drive() -> None:
+            workflow.send_successors(self.app, task_id, request, result)
+            super(FencedDatabaseBackend, self).mark_as_done(
+                task_id, result, request, store_result, state
+            )
+
+        self._report(task_id, result, state, request, drive)
+
+    def mark_as_failure(
+        self,
+        task_id: str,
+        exc: Any,
+        traceback: Any = None,
+        request: Any = None,
+        store_result: bool = True,
+        call_errbacks: bool = True,
+        state: str = states.FAILURE,
+    ) -> None:
+        def drive() -> None:
+            super(FencedDatabaseBackend, self).mark_as_failure(
+                task_id, exc, traceback, request, store_result, call_errbacks, state
+            )
+
+        self._report(task_id, exc, state, request, drive)
+
+    def mark_as_revoked(
+        self,
+        task_id: str,
+        reason: str = "",
+        request: Any = None,
+        store_result: bool = True,
+        state: str = states.REVOKED,
+    ) -> None:
+        def drive() -> None:
+            super(FencedDatabaseBackend, self).mark_as_revoked(
+                task_id, reason, request, store_result, state
+            )
+
+        self._report(task_id, reason, state, request, drive)
+
+    def _report(
+        self, task_id: str, result: Any, state: str, request: Any, drive: Callable[[], None]
+    ) -> None:
+        """A final outcome: settled under the lease, or checked as an untokened report."""
+        lease = lease_of(request)
+        if lease is not None:
+            self._settle(task_id, result, state, request, lease, drive)
+        elif not self._is_fenced(request):
+            drive()
+        elif self._may_record_elsewhere(task_id, state, request):
+            self._untokened(task_id, state, request, drive)
+
+    # -- the fenced path ----------------------------------------------------------------
     def _store_result(
         self,
         task_id: str,
@@ -54,53 +132,112 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         request: Any = None,
         using: Any = None,
     ) -> Any:
-        lease = getattr(request, "_fenced_lease", None) if request is not None else None
-        if not isinstance(lease, HeldLease):
-            if self._execution_ended_elsewhere(status, result):
-                ended = store.end_task_grants(task_id, by=f"worker:{status.lower()}")
-                if ended:
-                    logger.info(
-                        "task %s ended (%s): released its grants %s",
-                        task_id,
-                        status,
-                        ended,
-                        extra={"task_id": task_id},
-                    )
-            if not self._untokened_may_write(task_id, status):
+        lease = lease_of(request)
+        if lease is None:
+            if getattr(request, "_fenced_checked", None) == task_id or not self._is_fenced(
+                request
+            ):
+                return super()._store_result(task_id, result, status, traceback, request, using)
+
+            def write() -> None:
+                super(FencedDatabaseBackend, self)._store_result(
+                    task_id, result, status, traceback, request, using
+                )
+
+            self._untokened(task_id, status, request, write)
+            return result
+        if getattr(request, "_fenced_proven", None) is lease:
+            self._write_row(task_id, result, status, traceback, request, using)
+            return result
+
+        def write_fenced() -> None:
+            self._write_row(task_id, result, status, traceback, request, using)
+
+        self._settle(task_id, result, status, request, lease, write_fenced)
+        return result
+
+    def _settle(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        request: Any,
+        lease: HeldLease,
+        then: Callable[[], None],
+    ) -> bool:
+        """Prove ``lease`` current (and release it, for a final state), then run ``then``.
+
+        One transaction: the lease row first, then the task id's result lock, then what
+        ``then`` writes and sends. Refused: nothing of ``then`` happens, and the refusal
+        is recorded (R2). Returns whether it was proven.
+        """
+        releasing = status in RELEASING_STATES
+        for pause in (*SETTLE_RETRY_PAUSES, None):
+            try:
+                self._prove_then(task_id, status, request, lease, releasing, then)
+                break
+            except _Refused as refused:
+                if refused.current == lease.token and self._settled_by(task_id, lease):
+                    break  # a commit whose answer was lost with the connection: settled
+                self._refuse(task_id, result, status, request, lease, refused.current)
+                return False
+            except (OperationalError, InterfaceError) as exc:
+                # The database went away (a restart, a failover): the transaction is gone
+                # with it, so nothing of ``then`` stands. A final outcome is settled again
+                # when it is back, instead of turning a done job into a FAILURE.
+                connection = connections[lease.alias]
+                if pause is None or not releasing or connection.in_atomic_block:
+                    raise
                 logger.warning(
-                    "untokened %s write for task %s refused: a fenced execution's result stands",
+                    "could not settle %s of task %s (%s); trying again in %.1f s",
                     status,
                     task_id,
-                    extra={"task_id": task_id},
+                    exc,
+                    pause,
+                    extra={"task_id": task_id, "lease_key": lease.key},
                 )
-                return result
-            return super()._store_result(task_id, result, status, traceback, request, using)
-        releasing = status in RELEASING_STATES
-        try:
-            with transaction.atomic(using=lease.alias):
-                # the lease row first, then the result row (always in this order)
-                dialect = dialects.for_alias(lease.alias)
-                if releasing:
-                    # one statement proves the token current and releases the grant; a
-                    # result write that fails below rolls the release back with it
-                    ok, current = dialect.release_current(
-                        lease.key, lease.token, lease.owner, lease.task_id, status, lease.retries
-                    )
-                else:
-                    ok, current = dialect.prove_current(lease.key, lease.token)
-                if not ok:
-                    raise _Refused(current)
-                request.meta = {
-                    **(getattr(request, "meta", None) or {}),
-                    "fencing_token": lease.token,
-                    "lease_key": lease.key,
-                }
-                self._write_row(task_id, result, status, traceback, request, using)
+                connection.close()
+                time.sleep(pause)
+        if releasing:
+            from celery_fenced.renewal import renewer
+
+            renewer().unregister(lease)
+            lease.ended()
+        return True
+
+    def _prove_then(
+        self,
+        task_id: str,
+        status: str,
+        request: Any,
+        lease: HeldLease,
+        releasing: bool,
+        then: Callable[[], None],
+    ) -> None:
+        with transaction.atomic(using=lease.alias):
+            dialect = dialects.for_alias(lease.alias)
             if releasing:
-                self._released(lease)
-            return result
-        except _Refused as refused:
-            return self._refuse(task_id, result, status, request, lease, refused.current)
+                # one statement proves the token current and releases the grant; a
+                # write that fails below rolls the release back with it
+                ok, current = dialect.release_current(
+                    lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery
+                )
+            else:
+                ok, current = dialect.prove_current(lease.key, lease.token)
+            if not ok:
+                raise _Refused(current)
+            if not releasing or task_id != lease.task_id:
+                dialect.lock_for_result(task_id)  # release_current took lease.task_id's
+            request.meta = {
+                **(getattr(request, "meta", None) or {}),
+                "fencing_token": lease.token,
+                "lease_key": lease.key,
+            }
+            request._fenced_proven = lease
+            try:
+                then()
+            finally:
+                request._fenced_proven = None
 
     def _write_row(
         self, task_id: str, result: Any, status: str, traceback: Any, request: Any, using: Any
@@ -146,14 +283,6 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             update_fields=[*fields, "date_done"],
         )
 
-    @staticmethod
-    def _released(lease: HeldLease) -> None:
-        """After the commit that released ``lease``: stop renewing it, tell receivers."""
-        from celery_fenced.renewal import renewer
-
-        renewer().unregister(lease)
-        lease.ended()
-
     def _refuse(
         self,
         task_id: str,
@@ -162,13 +291,9 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         request: Any,
         lease: HeldLease,
         current: int | None,
-    ) -> Any:
-        current_task, ended = (
-            Lease._default_manager.using(lease.alias)
-            .filter(key=lease.key)
-            .values_list("task_id", "released_at")
-            .first()
-        ) or ("", None)
+    ) -> None:
+        grant = store.grant_of(lease.key, using=lease.alias)
+        current_task, ended = grant if grant is not None else ("", True)
         newer = current if current != lease.token else None
         lease.mark_lost(f"{status} result refused: current token is {current}")
         stale = store.reject_stale(
@@ -180,14 +305,10 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             owner=lease.owner,
             what=f"{status} result",
         )
-        if current_task == task_id and newer is not None:
-            return result  # a redelivery: the newer execution owns this task's result
-        if current_task == task_id and ended is None:
-            # This execution's own grant expired and nobody has taken over yet: store
-            # nothing and leave the grant unreleased, so the job is not recorded as
-            # completed; the reclaimer or the broker's redelivery runs it again.
-            lease.released = True
-            return result
+        if current_task == task_id and (newer is not None or not ended):
+            # A redelivery: the newer execution owns this task's result. Or this
+            # execution's own grant expired (a state that is not final): nothing stored.
+            return
         if status in states.READY_STATES:
             failure = self.encode_result(stale, states.FAILURE)
             request.meta = {
@@ -195,24 +316,93 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 "stale_fencing_token": lease.token,
             }
             super()._store_result(task_id, failure, states.FAILURE, None, request, None)
-        return result
 
-    @staticmethod
-    def _execution_ended_elsewhere(status: str, result: Any) -> bool:
-        """A write that tells the executing process is gone or was stopped.
-
-        Revoked (with terminate), a hard time limit, or a lost pool child: written by the
-        worker's main process, whose request carries no lease.
-        """
-        if status == states.REVOKED:
-            return True
-        if status != states.FAILURE or not isinstance(result, dict):
-            return False
-        return result.get("exc_type") in ENDED_ELSEWHERE
-
-    def _untokened_may_write(self, task_id: str, status: str) -> bool:
+    def _settled_by(self, task_id: str, lease: HeldLease) -> bool:
+        """Whether ``task_id``'s row holds a final result written under ``lease``."""
         row = (
-            self.TaskModel._default_manager.filter(task_id=task_id)
+            self.TaskModel._default_manager.using(router.db_for_write(self.TaskModel))
+            .filter(task_id=task_id, status__in=states.READY_STATES)
+            .values_list("meta", flat=True)
+            .first()
+        )
+        if not row:
+            return False
+        try:
+            meta = self.decode(row)
+        except Exception:
+            return False
+        return (
+            isinstance(meta, dict)
+            and meta.get("fencing_token") == lease.token
+            and meta.get("lease_key") == lease.key
+        )
+
+    # -- untokened writes -----------------------------------------------------------------
+    def _is_fenced(self, request: Any) -> bool:
+        """Whether ``request``'s task is (or may be) fenced: then its writes are checked."""
+        from celery_fenced.task import FencedExecution
+
+        name = getattr(request, "task", None) if request is not None else None
+        task = self.app.tasks.get(name) if isinstance(name, str) else None
+        return task is None or isinstance(task, FencedExecution)
+
+    def _may_record_elsewhere(self, task_id: str, state: str, request: Any) -> bool:
+        """A fenced task's outcome reported without its lease: record it, or change nothing.
+
+        The worker's main process reports the end of the process that ran the task (a
+        hard time limit, a lost child, a revoke with terminate): only that process's
+        grant is ended. A delivery that never started (expired, revoked) or failed before
+        its grant ends none. Nothing is recorded while another execution holds a grant
+        of the task id.
+        """
+        ended = getattr(request, "_fenced_process", None)
+        if ended is not None:  # set by the main process's request: see requests.py
+            process = ended.owner_prefix
+        else:
+            hostname = getattr(request, "hostname", None) or "local"
+            process = f"{hostname}:{os.getpid()}:"
+        may = store.settle_elsewhere(task_id, process=process, by=f"worker:{state.lower()}")
+        if not may:
+            logger.warning(
+                "%s of task %s not recorded: another execution holds its lease",
+                state,
+                task_id,
+                extra={"task_id": task_id},
+            )
+        return may
+
+    def _untokened(
+        self, task_id: str, status: str, request: Any, then: Callable[[], None]
+    ) -> None:
+        """Run ``then`` (an untokened write, and what it drives) unless R1 refuses it.
+
+        The check and ``then`` run in one transaction holding the task id's result lock,
+        so a fenced write cannot commit between them.
+        """
+        alias = router.db_for_write(self.TaskModel)
+        with transaction.atomic(using=alias):
+            dialects.for_alias(alias).lock_for_result(task_id)
+            if not self._untokened_may_write(task_id, alias):
+                logger.warning(
+                    "untokened %s write for task %s refused: a fenced execution's result stands",
+                    status,
+                    task_id,
+                    extra={"task_id": task_id},
+                )
+                return
+            marker = getattr(request, "_fenced_checked", None) if request is not None else None
+            if request is not None:
+                request._fenced_checked = task_id
+            try:
+                then()
+            finally:
+                if request is not None:
+                    request._fenced_checked = marker
+
+    def _untokened_may_write(self, task_id: str, alias: str) -> bool:
+        row = (
+            self.TaskModel._default_manager.using(alias)
+            .filter(task_id=task_id)
             .values_list("status", "meta")
             .first()
         )
@@ -229,14 +419,9 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if existing_status in states.READY_STATES:
             return False
         key = decoded.get("lease_key")
-        alias = store.database_alias()
         if not isinstance(key, str):
             return True
-        return (
-            not Lease._default_manager.using(alias)
-            .filter(key=key, token__gte=token, released_at__isnull=True)
-            .exists()
-        )
+        return not store.grant_live_since(key, token)
 
 
 __all__ = ["FencedDatabaseBackend", "StaleToken"]

@@ -33,6 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "fenced_reclaim_max": 3,
     "fenced_reclaim_grace": 1.0,
     "fenced_reclaim_resend_after": 300.0,
+    "fenced_duplicate_window": 86400.0,
 }
 
 
@@ -125,6 +126,8 @@ class FencedSettings:
     reclaim_max: int = 3
     reclaim_grace: float = 1.0
     reclaim_resend_after: float = 300.0
+    #: seconds a completed task id counts as a duplicate of itself
+    duplicate_window: float = 86400.0
 
     def options_for(self, task_name: str) -> dict[str, Any] | None:
         """The ``fenced_tasks`` options that select ``task_name``, or None.
@@ -294,6 +297,7 @@ def _load(app: Any) -> FencedSettings:
         reclaim_resend_after=validate_ttl(
             raw["fenced_reclaim_resend_after"], "fenced_reclaim_resend_after"
         ),
+        duplicate_window=validate_ttl(raw["fenced_duplicate_window"], "fenced_duplicate_window"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any, TypeVar
 
-from django.db import models, transaction
-from django.db.models import Q, QuerySet
+from django.db import models, router, transaction
+from django.db.models import F, Q, QuerySet
 
 from celery_fenced import store
 from celery_fenced.context import current_lease
@@ -17,6 +18,12 @@ class FencingTokenField(models.BigIntegerField):  # type: ignore[type-arg]
     """The fencing token of the row's last fenced writer (0 before any).
 
     ``fencing_token = FencingTokenField()`` is all a model needs for :func:`fenced_update`.
+
+    Only a fenced write sets it: :func:`fenced_update`, or a ``save()`` inside a
+    ``guard()`` holding the very token the instance carries. Any other ``save()`` leaves
+    the column as it is in the database (an instance read earlier holds an older token,
+    which must not be written back) and inserts 0. ``QuerySet.update()`` and
+    ``bulk_update()`` write what they are given: explicit writes, the caller's own.
     """
 
     description = "Fencing token of the last writer"
@@ -25,6 +32,21 @@ class FencingTokenField(models.BigIntegerField):  # type: ignore[type-arg]
         kwargs.setdefault("default", 0)
         kwargs.setdefault("db_index", False)
         super().__init__(*args, **kwargs)
+
+    def pre_save(self, model_instance: models.Model, add: bool) -> Any:
+        value = getattr(model_instance, self.attname)
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and store.in_guard_of_token(value)
+        ):
+            return value
+        if add:
+            setattr(model_instance, self.attname, 0)  # what the row holds
+            return 0
+        # the column keeps its value (an F() cannot be inserted: inserts write 0 above);
+        # the instance keeps the value it was read with
+        return F(self.attname)
 
 
 class _Newer(Exception):
@@ -55,7 +77,11 @@ def fenced_update(
     if field in values:
         raise ValueError(f"{field!r} is stamped by fenced_update; do not pass it in values")
 
-    alias = queryset.db
+    # the write database: a read queryset's .db is the router's db_for_read (a replica),
+    # where the check would run in a transaction that does not hold the update
+    explicit: str | None = getattr(queryset, "_db", None)  # set by .using()
+    alias = explicit or router.db_for_write(model, **getattr(queryset, "_hints", {}))
+    queryset = queryset.using(alias)
 
     def run() -> int:
         with transaction.atomic(using=alias):
@@ -72,18 +98,30 @@ def fenced_update(
             return updated
 
     lease = current_lease()
-    proven = lease is not None and store.in_guard(lease.key, token)
+    if lease is None:
+        # another thread of a fenced execution (a context variable is not inherited by
+        # threads): the leases this process holds under that token, every one proven
+        from celery_fenced.renewal import renewer
+
+        holders = renewer().holding(token)
+    else:
+        holders = [lease] if lease.token == token else []
+    if holders:
+        lease = holders[0]
     try:
-        if lease is not None and lease.token == token and not proven:
-            with store.fenced_transaction(
-                lease.key,
-                token,
-                using=lease.alias,
-                lease=lease,
-                what=f"update of {model._meta.label}",
-            ):
-                return run()
-        return run()
+        with ExitStack() as proofs:
+            for holder in holders:
+                if not store.in_guard(holder.key, token):
+                    proofs.enter_context(
+                        store.fenced_transaction(
+                            holder.key,
+                            token,
+                            using=holder.alias,
+                            lease=holder,
+                            what=f"update of {model._meta.label}",
+                        )
+                    )
+            return run()
     except _Newer as newer:
         key = lease.key if lease is not None and lease.token == token else model._meta.label
         raise store.reject_stale(

@@ -12,6 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from celery import signals
+from celery.worker.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def _matches(pattern: str, name: str) -> bool:
 
 def fenced_class(cls: type) -> type:
     """``cls`` with :class:`~celery_fenced.task.FencedExecution` mixed in (cached)."""
+    from celery_fenced.requests import request_class_for
     from celery_fenced.task import FencedExecution
 
     if cls not in _classes:
@@ -100,6 +102,7 @@ def fenced_class(cls: type) -> type:
             (FencedExecution, cls),
             {
                 "__module__": cls.__module__,
+                "Request": request_class_for(getattr(cls, "Request", None) or Request),
             },
         )
     return _classes[cls]

@@ -97,6 +97,24 @@ def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     return f"{task_name[:room]}:{digest}"
 
 
+def message_digest(
+    task_id: str, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> str:
+    """A digest of one job: its task id and message (task name and arguments).
+
+    A redelivered or re-sent message has the same; a task id reused for a new job with
+    other arguments has another. Arguments JSON cannot carry are hashed by their
+    ``repr``: at worst such a job is not recognised as a duplicate and runs again.
+    """
+    payload = json.dumps(
+        [task_id, task_name, list(args), dict(kwargs)],
+        sort_keys=True,
+        separators=(",", ":"),
+        default=repr,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
 def render_key(
     task_name: str,
     spec: Any,

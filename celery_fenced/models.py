@@ -63,6 +63,21 @@ class Lease(models.Model):
     reclaim_claimed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the reclaimer last claimed this lease."
     )
+    # Completion marker: the last job completed under this key, written by the statement
+    # that proves and releases its grant; the grant statement reads it under the row lock.
+    completed_digest = models.CharField(
+        max_length=32,
+        blank=True,
+        default="",
+        help_text="Digest of the task id and message of the last job completed under this "
+        "key (SUCCESS or FAILURE); a redelivery of it is not run again.",
+    )
+    completed_retries = models.IntegerField(
+        null=True, blank=True, help_text="The retry count of that completed delivery."
+    )
+    completed_at = models.DateTimeField(
+        null=True, blank=True, help_text="When that job completed (the database's clock)."
+    )
 
     class Meta:
         verbose_name = "lease"

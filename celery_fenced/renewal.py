@@ -15,18 +15,25 @@ from collections import defaultdict
 
 from django.db import connections
 
-from celery_fenced import dialects
+from celery_fenced import dialects, store
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
 
 #: a lease is renewed with its batch once this share of its renew interval has passed
 BATCH_SHARE = 0.6
+#: the renewer's statements fail after this share of the shortest ttl of their batch
+STATEMENT_SHARE = 0.25
+RENEWED, ROW_LOCKED, FAILED = "renewed", "row locked", "failed"
+#: PostgreSQL's SQLSTATE of a statement cancelled by statement_timeout / lock_timeout
+QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
 
 
 class Renewer:
     def __init__(self) -> None:
         self._leases: dict[int, HeldLease] = {}
+        # found lost, not yet unregistered by their execution: still this process's
+        self._lost: dict[int, HeldLease] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -43,10 +50,22 @@ class Renewer:
     def unregister(self, lease: HeldLease) -> None:
         with self._cond:
             self._leases.pop(id(lease), None)
+            self._lost.pop(id(lease), None)
 
     def held(self) -> list[HeldLease]:
         with self._cond:
             return list(self._leases.values())
+
+    def holding(self, token: int) -> list[HeldLease]:
+        """The registered leases under ``token``, those found lost included.
+
+        A lease stays registered until its execution ends: this is how code running in
+        another thread of that execution (where :func:`~celery_fenced.current_lease` is
+        None) finds the lease its token belongs to.
+        """
+        with self._cond:
+            leases = [*self._leases.values(), *self._lost.values()]
+        return [lease for lease in leases if lease.token == token]
 
     def _run(self) -> None:
         while True:
@@ -68,35 +87,81 @@ class Renewer:
                 due = [
                     x for x in leases if now >= x._confirmed_at + x.renew_interval * BATCH_SHARE
                 ]
-            self.renew(due)
+            try:
+                self.renew(due, time_limit=True)
+            except Exception:  # nothing may stop the thread: every other lease needs it
+                logger.exception("lease renewal failed; will retry")
             with self._cond:
                 for lease in due:
-                    if lease.lost or lease.released:
-                        self._leases.pop(id(lease), None)
+                    if lease._lost_reason is None and not lease.released:
+                        continue  # a lease past its deadline is marked lost next round
+                    if self._leases.pop(id(lease), None) is not None and not lease.released:
+                        self._lost[id(lease)] = lease  # until its execution unregisters it
 
-    def renew(self, leases: list[HeldLease]) -> None:
-        """Renew ``leases`` with one statement per database; mark the refused ones lost."""
+    def renew(self, leases: list[HeldLease], *, time_limit: bool = False) -> None:
+        """Renew ``leases`` with one statement per database; mark the refused ones lost.
+
+        A lease whose local deadline passed without a confirmed renewal is marked lost
+        instead. With ``time_limit`` (the renewer's own thread) the statements fail after
+        :data:`STATEMENT_SHARE` of the shortest ttl instead of waiting on a lock (see
+        :func:`celery_fenced.store.time_limited`); when a batch times out on a locked row,
+        each lease is renewed on its own, so one locked row does not hold up the others.
+        """
         by_alias: dict[str, list[HeldLease]] = defaultdict(list)
         for lease in leases:
-            if not (lease.lost or lease.released):
+            if not lease.released:
                 by_alias[lease.alias].append(lease)
-        for alias, group in by_alias.items():
-            sent = time.monotonic()
-            try:
+        for alias, leases_here in by_alias.items():
+            seconds = STATEMENT_SHARE * min(x.ttl for x in leases_here) if time_limit else None
+            group = []
+            for lease in leases_here:
+                if lease.lost:  # past its deadline, or found lost already (then a no-op)
+                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
+                else:
+                    group.append(lease)
+            if not group:
+                continue
+            outcome = self._renew_batch(alias, group, seconds)
+            if outcome == ROW_LOCKED and len(group) > 1:
+                outcomes = [self._renew_batch(alias, [lease], seconds) for lease in group]
+                outcome = RENEWED if RENEWED in outcomes else FAILED
+            for lease in group:
+                if not lease.released and time.monotonic() >= lease.local_deadline:
+                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
+            if outcome != RENEWED:
+                time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
+
+    @staticmethod
+    def _renew_batch(alias: str, group: list[HeldLease], seconds: float | None) -> str:
+        sent = time.monotonic()
+        try:
+            with store.time_limited(alias, seconds):
                 renewed = dialects.for_alias(alias).renew(
                     [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
                 )
-            except Exception:
-                logger.warning("lease renewal failed on %r; will retry", alias, exc_info=True)
+        except Exception as exc:
+            locked = _timed_out(exc)
+            logger.warning(
+                "lease renewal failed on %r%s; will retry",
+                alias,
+                " (a lease row is locked)" if locked else "",
+                exc_info=not locked,
+            )
+            if not locked:
                 connections[alias].close()
-                for lease in group:
-                    if time.monotonic() >= lease.local_deadline:
-                        lease.mark_lost("the database was unreachable until the grant expired")
-                time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
-                continue
-            for lease in group:
-                if not lease.released:
-                    lease.confirm_renewal(sent, renewed.get((lease.key, lease.token)))
+            return ROW_LOCKED if locked else FAILED
+        for lease in group:
+            if not lease.released:
+                renewal = renewed.get((lease.key, lease.token))
+                lease.confirm_renewal(sent, renewal, time_limit=seconds)
+        return RENEWED
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a renewal failed on PostgreSQL's statement timeout (a row lock held)."""
+    cause = exc.__cause__
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    return code in (QUERY_CANCELED, LOCK_NOT_AVAILABLE)
 
 
 _renewer = Renewer()

@@ -7,13 +7,48 @@ keyword arguments ``key``, ``token``, ``owner`` (and ``task_id`` where known):
 - ``lease_lost`` — a holder learned its grant is gone (``reason``);
 - ``lease_released`` — a holder ended its grant (``forced`` is True for force_release);
 - ``stale_write_rejected`` — a write under an old token was refused (``current``).
+
+A receiver that raises is logged (a warning naming the receiver, with its traceback) and
+ignored: it never stops the renewal of a lease nor changes a task's result.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from django.dispatch import Signal
+
+logger = logging.getLogger(__name__)
 
 lease_acquired = Signal()
 lease_lost = Signal()
 lease_released = Signal()
 stale_write_rejected = Signal()
+
+_NAMES = {
+    id(lease_acquired): "lease_acquired",
+    id(lease_lost): "lease_lost",
+    id(lease_released): "lease_released",
+    id(stale_write_rejected): "stale_write_rejected",
+}
+
+
+def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
+    """Send ``signal`` to every receiver; log, never raise, what a receiver raises.
+
+    Every signal of the package is sent through here: the senders are the renewer
+    thread and the result backend, which a receiver's error must not break.
+    """
+    for receiver, response in signal.send_robust(sender=sender, **kwargs):
+        if isinstance(response, Exception):
+            name = getattr(receiver, "__qualname__", None) or repr(receiver)
+            module = getattr(receiver, "__module__", None)
+            logger.warning(
+                "receiver %s of celery_fenced signal %s raised %r; ignored",
+                f"{module}.{name}" if module else name,
+                _NAMES.get(id(signal), repr(signal)),
+                response,
+                exc_info=(type(response), response, response.__traceback__),
+                extra={"lease_key": kwargs.get("key"), "fencing_token": kwargs.get("token")},
+            )

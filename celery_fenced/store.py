@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import router, transaction
+from django.db import connections, router, transaction
 
 from celery_fenced import conf, dialects, signals
 from celery_fenced.context import _guards
@@ -84,6 +84,10 @@ def validate_ttl(ttl: object) -> float:
         raise ValueError(str(exc)) from None
 
 
+#: why a lease is lost when no renewal confirmed it within its ttl (its local deadline)
+UNRENEWED = "the database was unreachable until the grant expired (no renewal within the ttl)"
+
+
 class HeldLease:
     """A granted lease: the key, its fencing token and the operations of its holder."""
 
@@ -99,7 +103,7 @@ class HeldLease:
         task_id: str = "",
         reclaimed_from: str = "",
         renew_interval: float | None = None,
-        retries: int | None = None,
+        delivery: dialects.Delivery | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -109,14 +113,17 @@ class HeldLease:
         self.alias = alias
         self.task_id = task_id
         self.reclaimed_from = reclaimed_from
-        #: the retry count of the task delivery this grant is for (recorded at release)
-        self.retries = retries
+        #: the task delivery this grant is for: its completion is marked at release
+        self.delivery = delivery
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
         self._lost_reason: str | None = None
         # monotonic time when the last successful grant/renewal statement was *sent*:
         # the grant is known to run until at least this + ttl
         self._confirmed_at = time.monotonic()
+        # when check() last found the grant current in the database (not a renewal)
+        self._checked_at = self._confirmed_at
+        self._deadline_passed = False
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -125,16 +132,29 @@ class HeldLease:
 
     @property
     def lost(self) -> bool:
-        """True once the holder has learned its grant is gone."""
-        return self._lost_reason is not None
+        """True once the grant is gone, or may be: its local deadline passed unrenewed.
+
+        The deadline needs no answer from the database: a renewal that hangs (a locked
+        row, a stalled connection) cannot keep a lease looking held. Once true it stays
+        true; a lease released by its holder is not lost.
+        """
+        if self._lost_reason is not None or self._deadline_passed:
+            return True
+        if self.released or time.monotonic() < self.local_deadline:
+            return False
+        self._deadline_passed = True
+        return True
 
     @property
     def lost_reason(self) -> str | None:
+        if self._lost_reason is None and self.lost:
+            return UNRENEWED
         return self._lost_reason
 
     @property
     def local_deadline(self) -> float:
-        """Monotonic time by which the grant has surely expired unless renewed."""
+        """Monotonic time until which the grant is known to run: the last confirmed
+        renewal (when its statement was sent) plus the ttl. Past it, it may have expired."""
         return self._confirmed_at + self.ttl
 
     def renew(self) -> dt.datetime:
@@ -148,10 +168,15 @@ class HeldLease:
         self._raise_if_lost()
         return self.expires_at
 
-    def confirm_renewal(self, sent: float, expires_at: dt.datetime | None) -> None:
+    def confirm_renewal(
+        self, sent: float, expires_at: dt.datetime | None, *, time_limit: float | None = None
+    ) -> None:
         """Record the outcome of a renewal statement sent at monotonic time ``sent``."""
         if expires_at is None:
-            self.mark_lost("renewal refused: the grant expired, was released or taken over")
+            self.mark_lost(
+                "renewal refused: the grant expired, was released or taken over",
+                time_limit=time_limit,
+            )
             return
         with self._lock:
             self.expires_at = expires_at
@@ -165,7 +190,7 @@ class HeldLease:
         if self.released:
             return True
         ok = dialects.for_alias(self.alias).release(
-            self.key, self.token, self.owner, self.task_id, state, self.retries
+            self.key, self.token, self.owner, self.task_id, state, self.delivery
         )
         if ok:
             self.ended()
@@ -177,8 +202,9 @@ class HeldLease:
     def ended(self) -> None:
         """This grant's release has committed: mark it released and tell the receivers."""
         self.released = True
-        signals.lease_released.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_released,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -196,13 +222,12 @@ class HeldLease:
         self._raise_if_lost()
         if self.released:
             raise LeaseLost(self.key, self.token, "released")
-        if time.monotonic() - self._confirmed_at > self.renew_interval:
+        if time.monotonic() - max(self._confirmed_at, self._checked_at) > self.renew_interval:
             sent = time.monotonic()
             if dialects.for_alias(self.alias).is_current(self.key, self.token, self.owner):
+                # current now, which says nothing of later: the local deadline stays
                 with self._lock:
-                    self._confirmed_at = max(
-                        self._confirmed_at, sent - self.ttl + self.renew_interval
-                    )
+                    self._checked_at = max(self._checked_at, sent)
             else:
                 self.mark_lost("the grant expired, was released or taken over")
         self._raise_if_lost()
@@ -218,8 +243,14 @@ class HeldLease:
         with fenced_transaction(self.key, self.token, using=self.alias, lease=self):
             yield self
 
-    def mark_lost(self, reason: str) -> None:
-        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``."""
+    def mark_lost(
+        self, reason: str, *, time_limit: float | None = None, record: bool = True
+    ) -> None:
+        """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``.
+
+        ``time_limit`` (seconds; the renewer's thread) bounds the event's write, which a
+        lock on the lease row would otherwise hold up; ``record=False`` writes no event.
+        """
         with self._lock:
             if self._lost_reason is not None or self.released:
                 if self._lost_reason is None:
@@ -234,13 +265,16 @@ class HeldLease:
             extra=self._log_extra(),
         )
         try:
-            dialects.for_alias(self.alias).record_event(
-                self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
-            )
+            if record:
+                with time_limited(self.alias, time_limit):
+                    dialects.for_alias(self.alias).record_event(
+                        self.key, "lost", self.token, self.task_id, self.owner, {"reason": reason}
+                    )
         except Exception:  # the database may be what failed; the event is best effort
             logger.info("could not record the lost event for %r", self.key, exc_info=True)
-        signals.lease_lost.send(
-            sender=Lease,
+        signals.send(
+            signals.lease_lost,
+            Lease,
             key=self.key,
             token=self.token,
             owner=self.owner,
@@ -249,8 +283,11 @@ class HeldLease:
         )
 
     def _raise_if_lost(self) -> None:
-        if self._lost_reason is not None:
-            raise LeaseLost(self.key, self.token, self._lost_reason)
+        if self._lost_reason is None and self.lost:  # the local deadline passed unrenewed
+            # logged and signalled here; no statement: the database may be what hangs
+            self.mark_lost(UNRENEWED, record=False)
+        if self.lost:
+            raise LeaseLost(self.key, self.token, self.lost_reason or UNRENEWED)
 
     def _log_extra(self) -> dict[str, Any]:
         return {"lease_key": self.key, "fencing_token": self.token, "lease_owner": self.owner}
@@ -266,7 +303,7 @@ def acquire(
     using: str | None = None,
     renew_interval: float | None = None,
     job: str | None = None,
-    retries: int | None = None,
+    delivery: dialects.Delivery | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -275,20 +312,22 @@ def acquire(
     job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
     statement, so the reclaimer can send it again if the grant expires unfinished.
 
-    ``retries`` (with ``task_id``: the retry count of the task delivery) makes the same
-    statement refuse a task id that already completed under its lease in a delivery
-    retried at least as often, raising :class:`~celery_fenced.exceptions.AlreadyCompleted`
-    (see :meth:`celery_fenced.dialects.Dialect.completed`); it is recorded on the
-    ``released`` event of this grant.
+    ``delivery`` (a task delivery: task id, message digest, retry count) makes the same
+    statement refuse a job that already completed under its lease within
+    ``fenced_duplicate_window``, raising
+    :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
+    :meth:`celery_fenced.dialects.Dialect.completed`); a release of this grant as
+    SUCCESS or FAILURE marks it completed.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
+    window = conf.load().duplicate_window if delivery is not None else 0.0
     sent = time.monotonic()
     with tables_required(alias):
         outcome = dialects.for_alias(alias).acquire(
-            key, seconds, owner, task_id, task_name, job, retries
+            key, seconds, owner, task_id, task_name, job, delivery, window
         )
     if isinstance(outcome, dialects.Completed):
         raise AlreadyCompleted(key, task_id, outcome.retries)
@@ -310,11 +349,12 @@ def acquire(
         task_id=task_id,
         reclaimed_from=outcome.reclaimed_from,
         renew_interval=renew_interval,
-        retries=retries,
+        delivery=delivery,
     )
     lease._confirmed_at = sent
-    signals.lease_acquired.send(
-        sender=Lease,
+    signals.send(
+        signals.lease_acquired,
+        Lease,
         key=key,
         token=lease.token,
         owner=owner,
@@ -345,39 +385,53 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
         by or "-",
         extra={"lease_key": key, "fencing_token": token, "lease_owner": owner},
     )
-    signals.lease_released.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id="", forced=True
+    signals.send(
+        signals.lease_released, Lease, key=key, token=token, owner=owner, task_id="", forced=True
     )
     return token
 
 
-def end_task_grants(task_id: str, *, by: str, using: str | None = None) -> list[int]:
-    """Force-release every live grant held for ``task_id``; return the tokens ended.
+def settle_elsewhere(
+    task_id: str, *, process: str | None, by: str, using: str | None = None
+) -> bool:
+    """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
-    For the worker's main process when it knows the execution is over without the
-    executing process having released (a revoke with terminate, a hard time limit, a lost
-    pool child): the next grant comes at once, and the old holder stays fenced out.
+    For writes that carry no lease: the worker's main process reporting that the process
+    ``process`` (an owner prefix, ``host:pid:``; None for a delivery that never started)
+    ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
+    before its grant. That process's own live grant of ``task_id`` is ended (force-released:
+    the next grant comes at once, and the old holder stays fenced out); no other grant is.
+    Returns False while another execution holds a grant of ``task_id`` (live, or expired
+    and not yet taken over): that execution owns the job's outcome, and this report must
+    change nothing.
     """
     alias = database_alias(using)
-    keys = list(
-        Lease._default_manager.using(alias)
-        .filter(task_id=task_id, released_at__isnull=True)
-        .values_list("key", flat=True)
-    )
-    ended = []
-    for key in keys:
-        outcome = dialects.for_alias(alias).force_release(key, by, task_id=task_id)
-        if outcome is not None:
-            ended.append(outcome[0])
-            signals.lease_released.send(
-                sender=Lease,
-                key=key,
-                token=outcome[0],
-                owner=outcome[1],
-                task_id=task_id,
-                forced=True,
-            )
-    return ended
+    dialect = dialects.for_alias(alias)
+    others = False
+    for key, token, owner in dialect.task_grants(task_id):
+        if process is not None and owner.startswith(process):
+            ended = dialect.force_release(key, by, task_id=task_id, token=token)
+            if ended is not None:
+                logger.info(
+                    "task %s ended (%s): released its grant of %r (token %s)",
+                    task_id,
+                    by,
+                    key,
+                    token,
+                    extra={"task_id": task_id, "lease_key": key, "fencing_token": token},
+                )
+                signals.send(
+                    signals.lease_released,
+                    Lease,
+                    key=key,
+                    token=token,
+                    owner=owner,
+                    task_id=task_id,
+                    forced=True,
+                )
+        else:
+            others = True
+    return not others
 
 
 def reject_stale(
@@ -411,8 +465,14 @@ def reject_stale(
             )
     except Exception:
         logger.info("could not record the stale_write_rejected event", exc_info=True)
-    signals.stale_write_rejected.send(
-        sender=Lease, key=key, token=token, owner=owner, task_id=task_id, current=current
+    signals.send(
+        signals.stale_write_rejected,
+        Lease,
+        key=key,
+        token=token,
+        owner=owner,
+        task_id=task_id,
+        current=current,
     )
     return StaleToken(key, token, current)
 
@@ -462,19 +522,87 @@ def fenced_transaction(
         ) from None
 
 
-def current_grant(key: str, *, using: str | None = None) -> tuple[int, str, bool] | None:
-    """``(token, task_id, ended)`` of the key's current or last grant, or None."""
+def expired_unclaimed(lease: HeldLease) -> bool:
+    """True when ``lease``'s grant expired (by the database's clock) and nobody took over.
+
+    Its token is still the key's, it was never released: the job can be retried at once
+    under the same task id without anyone's work being lost.
+    """
+    return dialects.for_alias(lease.alias).expired_unclaimed(lease.key, lease.token)
+
+
+def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
+    """``(task_id, ended)`` of ``key``'s current or last grant, or None."""
     row = (
         Lease._default_manager.using(database_alias(using))
         .filter(key=key)
-        .values_list("token", "task_id", "released_at")
+        .values_list("task_id", "released_at")
         .first()
     )
-    if row is None:
-        return None
-    return row[0], row[1], row[2] is not None
+    return None if row is None else (row[0], row[1] is not None)
+
+
+def grant_live_since(key: str, token: int, *, using: str | None = None) -> bool:
+    """Whether ``key`` is granted, unreleased, under ``token`` or a newer one."""
+    return (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key, token__gte=token, released_at__isnull=True)
+        .exists()
+    )
 
 
 def in_guard(key: str, token: int) -> bool:
     """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
     return any(k == key and t == token for _, k, t in _guards.get())
+
+
+def in_guard_of_token(token: int) -> bool:
+    """True inside a guard() holding ``token``, whatever its key."""
+    return any(t == token for _, _, t in _guards.get())
+
+
+@contextmanager
+def time_limited(alias: str, seconds: float | None) -> Iterator[None]:
+    """Statements on ``alias`` in this block fail after about ``seconds`` (None: no limit)
+    instead of waiting on a lock held by another connection.
+
+    For the renewer's thread. PostgreSQL: a transaction of its own with a local
+    ``statement_timeout`` (nothing stays on the session, so a transaction pooler is safe;
+    inside a transaction already open there is no limit). SQLite: the busy timeout of this
+    thread's connection (how long a statement waits for another connection's write lock),
+    the longest fixed step within ``seconds``; it stays on that connection, which only
+    the renewer's thread uses. Other databases: no limit.
+    """
+    connection = connections[alias]
+    if seconds is None or connection.vendor not in ("postgresql", "sqlite"):
+        yield
+        return
+    milliseconds = max(1, int(seconds * 1000))
+    if connection.vendor == "sqlite":
+        # a PRAGMA takes no parameters: fixed texts, never a spliced value
+        busy = (
+            "PRAGMA busy_timeout = 10000"
+            if milliseconds >= 10000
+            else "PRAGMA busy_timeout = 5000"
+            if milliseconds >= 5000
+            else "PRAGMA busy_timeout = 2000"
+            if milliseconds >= 2000
+            else "PRAGMA busy_timeout = 1000"
+            if milliseconds >= 1000
+            else "PRAGMA busy_timeout = 500"
+            if milliseconds >= 500
+            else "PRAGMA busy_timeout = 200"
+            if milliseconds >= 200
+            else "PRAGMA busy_timeout = 100"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(busy)
+        yield
+        return
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic(using=alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('statement_timeout', %s, true)", [str(milliseconds)])
+        yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
@@ -14,7 +15,7 @@ from celery import Task, states
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 
-from celery_fenced import conf, context, keys
+from celery_fenced import conf, context, keys, workflow
 from celery_fenced.exceptions import (
     AlreadyCompleted,
     FencedConfigurationError,
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 #: retries of a busy key, a lost grant or a database error are not limited
 UNLIMITED_RETRIES = sys.maxsize
+#: the message header counting re-sends after a database error (for the backoff only)
+DATABASE_RETRIES = "fenced_database_retries"
 
 
 class FencedExecution:
@@ -43,6 +46,8 @@ class FencedExecution:
     lease_renew_interval: float | None = None
     lease_reclaim: bool | None = None
     _fenced_config: dict[str, Any] | None = None
+    #: the worker's request class: it tells the backend which pool process ended
+    Request = "celery_fenced.requests:FencedRequest"
 
     name: str
     request: Any
@@ -103,6 +108,14 @@ class FencedExecution:
         from celery_fenced import store
         from celery_fenced.renewal import renewer
 
+        if self.request_stack.top is None:  # type: ignore[attr-defined]
+            # task(...) called directly: without a request of its own the call would
+            # share Celery's default request (and its lease) with every other thread
+            self.push_request()  # type: ignore[attr-defined]
+            try:
+                return FencedExecution.__call__(self, *args, **kwargs)
+            finally:
+                self.pop_request()  # type: ignore[attr-defined]
         request = self.request
         # A token or key in the message is never trusted: only acquisition sets them.
         request.fencing_token = None
@@ -124,7 +137,12 @@ class FencedExecution:
         renewer().register(lease)
         marker = context._current.set(lease)
         try:
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+            retval = super().__call__(*args, **kwargs)  # type: ignore[misc]
+            if not request.called_directly and self._backend_is_fenced():
+                # sent by the backend once it has proven this token current, not by
+                # the tracer before it stores the result
+                workflow.hold_successors(request)
+            return retval
         except (LeaseLost, StaleToken) as exc:
             if exc.key != key or exc.token != lease.token:
                 raise
@@ -142,6 +160,36 @@ class FencedExecution:
             if request.called_directly:  # task(...) outside a tracer: nobody else releases
                 self._fenced_release("")
 
+    def _backend_is_fenced(self) -> bool:
+        from celery_fenced.backends import FencedDatabaseBackend
+
+        return isinstance(self.backend, FencedDatabaseBackend)  # type: ignore[attr-defined]
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, sent only while this execution's token is proven current.
+
+        The retry message is sent inside a ``guard()`` of the held lease: a stale
+        execution sends none (it gets :class:`StaleToken`).
+        """
+        with self._proven():
+            return super().retry(*args, **kwargs)  # type: ignore[misc]
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's ``replace``, sent only while this execution's token is proven current.
+
+        The replacement takes over the task's place in its workflow (callbacks, chain,
+        chord): a stale execution must not send it.
+        """
+        with self._proven():
+            return super().replace(sig)  # type: ignore[misc]
+
+    def _proven(self) -> Any:
+        """A ``guard()`` of the held lease, or nothing to prove (no lease, eager)."""
+        lease = self.lease
+        if lease is None or lease.released or getattr(self.request, "is_eager", False):
+            return contextlib.nullcontext()
+        return lease.guard()
+
     def _take_lease(
         self,
         key: str,
@@ -153,14 +201,22 @@ class FencedExecution:
     ) -> Any:
         """Grant this execution the key (or LeaseBusy); skip a completed duplicate.
 
-        The grant statement itself refuses a task id that already completed under its
-        lease in a delivery retried at least as often as this one (a redelivered message);
-        a retry sent before that execution ended (``retries`` above it) still runs.
+        The grant statement itself refuses a job that already completed under its lease
+        within ``fenced_duplicate_window``: the same task id and message, in a delivery
+        retried at least as often as this one (a redelivered or re-sent message); a retry
+        the body asked for before that execution ended (``retries`` above it) still runs.
         """
         from celery_fenced import dialects, reclaim, store
 
         request = self.request
         retries = int(getattr(request, "retries", 0) or 0)
+        delivery = (
+            dialects.Delivery(
+                task_id, keys.message_digest(task_id, self.name, args, kwargs), retries
+            )
+            if task_id
+            else None
+        )
         # what the reclaimer needs to send the job again, written by the grant itself
         job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
         try:
@@ -173,7 +229,7 @@ class FencedExecution:
                 using=alias,
                 renew_interval=options.renew_interval,
                 job=job,
-                retries=retries if task_id else None,
+                delivery=delivery,
             )
         except AlreadyCompleted:
             dialects.for_alias(alias).record_event(
@@ -185,7 +241,12 @@ class FencedExecution:
                 {"task": self.name, "retries": retries},
             )
             logger.info(
-                "task %s[%s] already completed under its lease: not run again", self.name, task_id
+                "task %s[%s] skipped as a duplicate: the same job already completed under "
+                "lease %r within fenced_duplicate_window",
+                self.name,
+                task_id,
+                key,
+                extra={"task_id": task_id, "lease_key": key},
             )
             raise Ignore() from None
 
@@ -195,8 +256,10 @@ class FencedExecution:
         Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
         covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s).
         """
-        retries = int(getattr(self.request, "retries", 0) or 0)
-        countdown = min(2.0 ** min(retries, 4), 10.0)
+        # counted in a header of our own: the package's re-sends keep ``retries``
+        attempt = getattr(self.request, DATABASE_RETRIES, 0)
+        attempt = attempt if isinstance(attempt, int) and attempt >= 0 else 0
+        countdown = min(2.0 ** min(attempt, 4), 10.0)
         logger.warning(
             "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
             self.name,
@@ -204,21 +267,23 @@ class FencedExecution:
             exc,
             countdown,
         )
-        self._retry_unlimited(exc, countdown)
+        self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
 
     def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
-        """The body learned its grant is gone.
+        """The body learned its grant is gone, or a write it made was refused.
 
-        When the grant merely expired and nobody has taken over, the job is retried at
-        once with the same task id (the retry reclaims the key with a higher token), so
-        a pause does not end the job as a failure. Otherwise the error stands: the result
-        backend stores nothing over a newer execution of the same task id, and fails the
-        task with :class:`StaleToken` when another job holds the key.
+        When the database confirms that the grant merely expired and nobody has taken
+        over, the job is retried at once with the same task id (the retry reclaims the key
+        with a higher token), so a pause does not end the job as a failure. Otherwise the
+        error stands: a row that holds a newer token (refused by ``fenced_update`` while
+        the grant is still current) fails the task with :class:`StaleToken` and releases
+        the grant; the result backend stores nothing over a newer execution of the same
+        task id, and fails the task with :class:`StaleToken` when another job holds the
+        key.
         """
         from celery_fenced import store
 
-        grant = store.current_grant(lease.key, using=lease.alias)
-        if grant is not None and grant[0] == lease.token and not grant[2]:
+        if store.expired_unclaimed(lease):
             logger.warning(
                 "task %s[%s]: lease %r expired under token %s with no successor; retrying",
                 self.name,
@@ -243,7 +308,7 @@ class FencedExecution:
         countdown = max(busy.remaining, 0.05)
         self._retry_unlimited(busy, countdown)
 
-    def _retry_unlimited(self, exc: Exception, countdown: float) -> NoReturn:
+    def _retry_unlimited(self, exc: Exception, countdown: float, **options: Any) -> NoReturn:
         """Send the job again in ``countdown`` seconds, whatever the task's ``max_retries``.
 
         A wait for the key, a lost grant or a database error is not the task failing, so
@@ -253,12 +318,20 @@ class FencedExecution:
         ``override_max_retries``, which Celery's autoretry would reuse: it is removed.
         Eager runs (``task_always_eager``) keep the task's limit.
         """
-        retry = self.retry  # type: ignore[attr-defined]
+        retry = self.retry
+        request = self.request
         # an eager retry runs at once, recursively: there it keeps the task's own limit
-        limit = None if getattr(self.request, "is_eager", False) else UNLIMITED_RETRIES
+        eager = getattr(request, "is_eager", False)
+        limit = None if eager else UNLIMITED_RETRIES
+        retries = request.retries
+        if not eager:
+            # Celery sends ``retries + 1``: this re-send keeps the count the body sees, so
+            # that a completed job's copy is still recognised as a duplicate
+            request.retries = retries - 1
         try:
-            raise retry(exc=exc, countdown=countdown, max_retries=limit)
+            raise retry(exc=exc, countdown=countdown, max_retries=limit, **options)
         finally:
+            request.retries = retries
             self.__dict__.pop("override_max_retries", None)
 
     def _fenced_release(self, state: str) -> None:

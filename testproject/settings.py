@@ -89,6 +89,14 @@ else:
     if os.environ.get("FENCED_PG_PORT"):
         DATABASES["postgres"] = _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))
 
+# A read replica of each database, for the tests of primary/replica routing: the same
+# database through a connection of its own (a test mirror).
+for _alias, _primary in list(DATABASES.items()):
+    DATABASES[f"{_alias}_replica"] = {
+        **_primary,
+        "TEST": {**_primary["TEST"], "MIRROR": _alias},  # type: ignore[dict-item]
+    }
+
 if os.environ.get("FENCED_USE_TEST_DATABASES") == "1":
     # Processes started by the tests (workers, racers) open the test databases.
     for _db in DATABASES.values():

@@ -4,13 +4,15 @@
 
 Starts ``--workers`` `celery worker` processes (prefork and threads pools, alternating) on a
 fresh PostgreSQL database and Redis with a short visibility timeout, sends ``--trials`` jobs
-(``testproject/demo/chaos_tasks.py``: each applies one fenced effect to an append-only
-ledger) and meanwhile stops workers (SIGSTOP, for random times around the ttl) and resumes
-them, SIGKILLs workers and starts replacements, and restarts PostgreSQL once. Jobs complete
-through Redis redelivery and, when the package has it, the reclaimer
-(``celery_fenced.reclaim.reclaim_expired``), called here in a loop. Then :func:`check` reads
-the ledger, the results and the lease events and verifies the invariants; the summary table
-is printed and the exit status is 1 when any invariant failed.
+(``tests/chaos_workload.py``: single fenced tasks, each applying one effect to an append-only
+ledger, mixed with chains, chords, ``link``/``link_error`` callbacks, time limits,
+``track_started``, ``expires`` and two jobs on one key; the tasks are in
+``testproject/demo/chaos_tasks.py``) and meanwhile stops workers (SIGSTOP, for random times
+around the ttl) and resumes them, SIGKILLs workers and starts replacements, and restarts
+PostgreSQL once. Jobs complete through Redis redelivery and, when the package has it, the
+reclaimer (``celery_fenced.reclaim.reclaim_expired``), called here in a loop. Then
+:func:`check` reads the ledger, the trace, the results and the lease events and verifies the
+invariants; the summary table is printed and the exit status is 1 when any invariant failed.
 
 Uses the servers named by ``FENCED_PG_*``/``FENCED_REDIS_URL`` (``tests.services``), else
 starts throwaway ones. The PostgreSQL restart needs ``FENCED_PG_DATA``, ``FENCED_PG_BINDIR``
@@ -38,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import chaos_workload as workload
 from . import services
-from .workers import Worker
+from .chaos_workload import GRANTS, Job
+from .workers import Worker, wait_for
 
-TASKS = ("chaos.guarded", "chaos.configured")
-GRANTS = ("acquired", "reclaimed")
 RECEIVED = re.compile(r"^\[([\d-]+ [\d:,]+): INFO/MainProcess\] Task \S+\[([\w-]+)\] received")
 #: a dead or stopped owner's grant may outlive its death by the ttl plus this (seconds)
 SLACK = 1.0
@@ -67,15 +69,6 @@ class Options:
 
 
 @dataclass
-class Job:
-    name: str
-    task: str
-    task_id: str
-    seconds: float
-    sent_at: dt.datetime | None = None  # local wall clock
-
-
-@dataclass
 class Events:
     """What the runner did (the checker reads what happened from the database)."""
 
@@ -93,6 +86,10 @@ class Events:
     reclaim_errors: int = 0
     monitor_errors: int = 0
     held_past_expiry: list[str] = field(default_factory=list)
+    #: [hostname prefix, from, to]: a worker stopped (to: when resumed) or killed (to: None),
+    #: DB clock (None when the database could not be asked)
+    stops: list[list[Any]] = field(default_factory=list)
+    pg_window_db: tuple[Any, Any] | None = None  # the PostgreSQL restart, DB clock
     log: list[str] = field(default_factory=list)
 
 
@@ -106,6 +103,7 @@ class Slot:
     paused_until: float | None = None
     main_only: bool = False
     paused_at_db: Any = None
+    stop: list[Any] | None = None  # its entry in Events.stops while stopped
 
 
 # -- the environment -------------------------------------------------------------------
@@ -151,6 +149,7 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         "FENCED_TASKS_JSON": json.dumps({"chaos.configured": {"ttl": options.ttl}}),
         "FENCED_CHAOS_TTL": str(options.ttl),
         "FENCED_CHAOS_SABOTAGE": "1" if options.sabotage else "0",
+        "FENCED_CHAOS_TRACE": "1",  # the tasks record the messages they send
     }
     os.environ.update(env)
     import django
@@ -159,6 +158,9 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
+    from testproject.demo.chaos_tasks import create_trace_table
+
+    create_trace_table()
     return env
 
 
@@ -181,8 +183,8 @@ def restart_postgres() -> None:
         "120",
         "restart",
     ]
-    subprocess.run(
-        services._as_postgres(command),
+    services.run_as_postgres(
+        command,
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -196,6 +198,19 @@ def db_now() -> Any:
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement_timestamp()")
         return cursor.fetchone()[0]
+
+
+def _db_time_now() -> Any:
+    """The database's clock, asked from this thread (a connection cut is reopened once)."""
+    from django.db import connection
+
+    for _ in range(2):
+        try:
+            return db_now()
+        except Exception:
+            with contextlib.suppress(Exception):
+                connection.close()
+    return None
 
 
 def _reclaimer() -> Any:
@@ -222,6 +237,12 @@ class Runner:
         self.slots: list[Slot] = []
         self.dead: dict[str, Any] = {}  # hostname prefix of a killed worker -> DB time
         self.reclaim = _reclaimer()
+        # a re-sent job that no worker ever granted (Redis lost the message to a kill) is
+        # sent again after this, not after the default five minutes: within the drain
+        app.conf.fenced_reclaim_resend_after = 2 * options.ttl + options.visibility
+        # its own generator: the seed alone decides the jobs (the chaos depends on timing too)
+        jobs_rng = random.Random(options.seed)
+        self.sender = workload.Sender(app, self.queue, jobs_rng, options.ttl, options.work)
         self._restart: threading.Thread | None = None
         self._next_monitor = 0.0
         self._next_reclaim = 0.0
@@ -282,12 +303,7 @@ class Runner:
         self.drain()
 
     def send(self, name: str) -> None:
-        task = self.rng.choice(TASKS)
-        seconds = round(self.rng.uniform(*self.options.work), 3)
-        result = self.app.send_task(
-            task, args=(name,), kwargs={"seconds": seconds}, queue=self.queue
-        )
-        self.jobs.append(Job(name, task, str(result.id), seconds, dt.datetime.now()))
+        self.jobs.append(self.sender.send(name))
 
     # -- chaos -----------------------------------------------------------------------
     def running(self) -> list[Slot]:
@@ -310,6 +326,8 @@ class Runner:
         else:
             os.kill(slot.worker.process.pid, 19)  # SIGSTOP, the main process only: no acks
             self.events.main_pauses += 1
+        slot.stop = [slot.worker.name + "@", slot.paused_at_db or self._db_time(), None]
+        self.events.stops.append(slot.stop)
         slot.main_only = action == "pause_main"
         slot.paused_until = time.monotonic() + seconds
         self.note(f"{action} {slot.worker.name} for {seconds:.1f}s")
@@ -317,8 +335,11 @@ class Runner:
     def resume(self, slot: Slot) -> None:
         if slot.worker.process.poll() is None:
             slot.worker.resume()
+        if slot.stop is not None:
+            slot.stop[2] = self._db_time() or slot.stop[1]
         slot.paused_until = None
         slot.paused_at_db = None
+        slot.stop = None
 
     def resume_due(self, now: float) -> None:
         for slot in self.slots:
@@ -329,11 +350,14 @@ class Runner:
         old = slot.worker
         old.stop()  # SIGCONT + SIGKILL to the process group: the pool children die too
         self.dead[old.name + "@"] = self._db_time()
+        if slot.stop is None:  # a stopped worker's entry stays open: it never resumed
+            self.events.stops.append([old.name + "@", self.dead[old.name + "@"], None])
         self.events.kills += 1
         self.events.kill_times.append(dt.datetime.now())
         slot.worker = self.start_worker(slot.index, slot.pool)
         slot.paused_until = None
         slot.paused_at_db = None
+        slot.stop = None
         self.note(f"kill {old.name}; started {slot.worker.name}")
 
     def heal(self) -> None:
@@ -350,7 +374,7 @@ class Runner:
 
     def restart_postgres(self) -> None:
         self.note("restarting PostgreSQL")
-        began = dt.datetime.now()
+        began, began_db = dt.datetime.now(), _db_time_now()
         try:
             restart_postgres()
         except Exception as exc:
@@ -358,8 +382,14 @@ class Runner:
             self.note(f"PostgreSQL restart failed: {exc!r}")
             return
         self.events.pg_restart_window = (began, dt.datetime.now())
+        ended_db = _db_time_now()
+        if began_db is not None and ended_db is not None:
+            self.events.pg_window_db = (began_db, ended_db)
         self.events.pg_restarts += 1
         self.note("PostgreSQL is back")
+        from django.db import connection
+
+        connection.close()  # this thread's own
 
     # -- monitoring and reclaim ------------------------------------------------------
     def _db_time(self) -> Any:
@@ -430,21 +460,28 @@ class Runner:
 
         from celery_fenced.models import Lease
 
-        ids = [job.task_id for job in self.jobs]
+        ids = [i for job in self.jobs for i in (job.ids or {"task": job.task_id}).values()]
         deadline = time.monotonic() + self.options.drain_timeout
         done = 0
         while time.monotonic() < deadline:
             self.housekeeping(time.monotonic())
             try:
-                done = TaskResult.objects.filter(
-                    task_id__in=ids, status__in=["SUCCESS", "FAILURE"]
-                ).count()
-                if done == len(ids):
-                    break
+                status = dict(
+                    TaskResult.objects.filter(task_id__in=ids).values_list("task_id", "status")
+                )
             except Exception:
                 self._reset_connections()
+                continue
+            done = sum(
+                all(status.get(i) in workload.FINAL for i in workload.awaited(job, status))
+                for job in self.jobs
+            )
+            if done == len(self.jobs):
+                break
             time.sleep(0.2)
-        self.note(f"{done} of {len(ids)} jobs final")
+        self.note(f"{done} of {len(self.jobs)} jobs final")
+        if self.options.sabotage:
+            self.sabotage_reruns()
         # let stale executions still in flight finish (or be fenced) before stopping
         settle = time.monotonic() + 2 * self.options.ttl + self.options.visibility
         while time.monotonic() < settle:
@@ -456,6 +493,27 @@ class Runner:
                     break
             time.sleep(0.2)
         self.monitor()
+
+    def sabotage_reruns(self) -> None:
+        """``--sabotage``: send each chain's completed first step again, as a retry nobody
+        asked for would be (same task id, a higher retry count): a completed task must not
+        run again."""
+        from celery_fenced.models import LeaseEvent
+        from testproject.demo.chaos_tasks import read_trace
+
+        resent = {job.ids["s0"]: job.name for job in self.jobs if job.kind == "chain"}
+        for task_id, name in resent.items():
+            self.app.send_task(
+                "chaos.step", args=(None, name, 0), task_id=task_id, retries=5, queue=self.queue
+            )
+
+        def settled() -> bool:  # each ran again, or was skipped as a completed duplicate
+            ran = {t.task_id for t in read_trace() if t.kind == "run" and t.retries == 5}
+            skipped = LeaseEvent.objects.filter(kind="duplicate", task_id__in=list(resent))
+            return set(resent) <= ran | set(skipped.values_list("task_id", flat=True))
+
+        with contextlib.suppress(AssertionError):
+            wait_for(settled, 30, "the re-sent steps")
 
     def stop(self) -> None:
         for slot in self.slots:
@@ -527,20 +585,20 @@ def _cause(result: Any, events: list[Any], task_id: str) -> str:
     return ""
 
 
-def _lost_in_broker(job: Job, key: str, result: Any, events: Events) -> str:
-    """``LOST_IN_BROKER`` for a job never received by a worker while one was killed."""
-    if key or result is not None or job.task_id in events.receipts or job.sent_at is None:
+def _lost_in_broker(job: Job, task_id: str, key: str, result: Any, events: Events) -> str:
+    """``LOST_IN_BROKER`` for a task never received by a worker while one was killed."""
+    if key or result is not None or task_id in events.receipts or job.sent_at is None:
         return ""
     return LOST_IN_BROKER if any(k >= job.sent_at for k in events.kill_times) else ""
 
 
-def _lost_in_restart(job: Job, key: str, result: Any, events: Events) -> str:
+def _lost_in_restart(job: Job, task_id: str, key: str, result: Any, events: Events) -> str:
     """``DB_ERROR_BEFORE_GRANT`` for a job never granted, never finished, and received by
     workers only around the PostgreSQL restart (±2 s; its failure could not even be
     stored); else ''.
     """
     window = events.pg_restart_window
-    received = events.receipts.get(job.task_id, [])
+    received = events.receipts.get(task_id, [])
     if key or result is not None or window is None or not received:
         return ""
     # a job received just before the restart reaches the database during it
@@ -568,40 +626,53 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     entries: dict[str, list[ChaosEntry]] = defaultdict(list)
     for entry in ChaosEntry.objects.order_by("id"):
         entries[entry.job].append(entry)
-    results = {
-        r.task_id: r for r in TaskResult.objects.filter(task_id__in=[j.task_id for j in jobs])
-    }
+    ids = [i for job in jobs for i in (job.ids or {"task": job.task_id}).values()]
+    results = {r.task_id: r for r in TaskResult.objects.filter(task_id__in=ids)}
+    status = {task_id: r.status for task_id, r in results.items()}
     slots = {s.job: s for s in ChaosSlot.objects.all()}
 
+    from testproject.demo.chaos_tasks import read_trace
+
+    runs, sent = workload.index(read_trace())
+
+    def cause_of(job: Job, task_id: str) -> str:
+        key, result = key_of_task.get(task_id, ""), results.get(task_id)
+        # a message a worker never sent was not lost by the broker
+        was_sent = task_id in sent or task_id in workload.sent_by_runner(job)
+        return (
+            _cause(result, history.get(key, []), task_id)
+            or _lost_in_restart(job, task_id, key, result, events)
+            or (_lost_in_broker(job, task_id, key, result, events) if was_sent else "")
+        )
+
     # 1. every job's effect applied exactly once; 4. every job reached a final state
-    lost = failed = twice = 0
+    lost: set[str] = set()
+    failed: set[str] = set()
+    twice = 0
     for job in jobs:
+        for task_id in workload.awaited(job, status):
+            key, result = key_of_task.get(task_id, ""), results.get(task_id)
+            what = f"{job.name} ({job.task}, {task_id}"
+            if result is None or result.status not in workload.FINAL:
+                lost.add(job.name)
+                state = result.status if result else "no result"
+                text = f"{what}, key {key or '-'}): {state}"
+                violation("not-final", key, text, cause_of(job, task_id))
+            elif not workload.accepted(job, result.status, result.result):
+                failed.add(job.name)
+                text = f"{what}): {result.status} {(result.result or '')[:200]}"
+                violation("failed", key, text, cause_of(job, task_id))
+        if job.kind != "single":
+            continue
         rows = entries.get(job.name, [])
         key = key_of_task.get(job.task_id, "")
-        result = results.get(job.task_id)
-        cause = (
-            _cause(result, history.get(key, []), job.task_id)
-            or _lost_in_restart(job, key, result, events)
-            or _lost_in_broker(job, key, result, events)
-        )
         if len(rows) != 1:
             twice += len(rows) > 1
             violation(
                 "effect-count",
                 key,
                 f"{job.name} ({job.task}, {job.task_id}): effect applied {len(rows)}x",
-                cause,
-            )
-        if result is None or result.status not in ("SUCCESS", "FAILURE"):
-            lost += 1
-            state = result.status if result else "no result"
-            violation(
-                "not-final", key, f"{job.name} ({job.task_id}, key {key or '-'}): {state}", cause
-            )
-        elif result.status == "FAILURE":
-            failed += 1
-            violation(
-                "failed", key, f"{job.name} ({job.task_id}): FAILURE {result.result[:200]}", cause
+                cause_of(job, job.task_id),
             )
         if job.task == "chaos.configured":
             slot = slots[job.name]
@@ -663,6 +734,24 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
                     f"{lease.expires_at:%H:%M:%S.%f}, after every worker was stopped",
                 )
 
+    # 6. the jobs at Celery's seams (tests/chaos_workload.py): (a) to (e)
+    stored = workload.stored_results(results.values())
+    workload.completed_first(stored, history)
+    seams = workload.Seams(
+        stored=stored,
+        runs=runs,
+        sent=sent,
+        history=history,
+        stops=[(prefix, begin, end) for prefix, begin, end in events.stops],
+        pg_window=events.pg_window_db,
+        ttl=options.ttl,
+        slack=SLACK,
+    )
+    seam_counts: Counter[str] = Counter()
+    for kind, where, text in workload.check_seams(jobs, seams):
+        seam_counts[kind] += 1
+        violation(kind, where if kind == "ended-by-other" else "", text)
+
     kinds = Counter(e.kind for evs in history.values() for e in evs)
     reruns = sum(
         1
@@ -671,6 +760,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     )
     rows_out: list[tuple[str, Any]] = [
         ("trials (jobs)", len(jobs)),
+        ("jobs by kind", ", ".join(f"{k} {n}" for k, n in Counter(j.kind for j in jobs).items())),
         ("workers (prefork/threads, 2 each)", options.workers),
         ("pauses (whole worker)", events.pauses),
         ("pauses (main process only)", events.main_pauses),
@@ -685,10 +775,11 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("stale writes rejected", kinds["stale_write_rejected"]),
         ("stale writes accepted", stale_accepted),
         ("effects applied twice", twice),
-        ("lost jobs (no final state)", lost),
-        ("failed jobs", failed),
+        ("lost jobs (no final state)", len(lost)),
+        ("failed jobs", len(failed)),
         ("leases held past expiry by dead owners", len(events.held_past_expiry)),
         ("jobs abandoned by the reclaimer", kinds.get("abandoned", 0)),
+        *((row, seam_counts[kind]) for kind, row in workload.SEAMS.items()),
         ("violations", len(violations)),
     ]
     evidence = []

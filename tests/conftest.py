@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import connections
 
 DATABASE_ALIASES = ["default", "postgres"]
 
@@ -84,3 +85,39 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+def wait_until_blocked(alias: str, thread: Any) -> None:
+    """Wait until ``thread``'s statement waits for a lock in ``alias``'s database.
+
+    PostgreSQL tells (``pg_stat_activity``); SQLite does not, so there the thread is only
+    known to be alive (waiting, or not there yet: the test then proves less, never fails).
+    """
+    import time
+
+    deadline = time.monotonic() + 30
+    if connections[alias].vendor != "postgresql":
+        thread.join(timeout=0.5)
+        assert thread.is_alive()
+        return
+    import psycopg
+
+    settings = connections[alias].settings_dict
+    with psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        password=settings["PASSWORD"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    ) as watcher:
+        while time.monotonic() < deadline:
+            row = watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            ).fetchone()
+            if row and row[0]:
+                return
+            assert thread.is_alive()
+            time.sleep(0.02)
+    raise AssertionError("the duplicate's statement never waited for the lease row")

@@ -19,3 +19,10 @@ class AllToTarget:
 
     def allow_migrate(self, db: str, app_label: str, **hints: Any) -> None:
         return None
+
+
+class PrimaryReplica(AllToTarget):
+    """Django's usual primary/replica router: reads from ``TARGET``'s replica."""
+
+    def db_for_read(self, model: Any, **hints: Any) -> str:
+        return f"{TARGET}_replica"

@@ -5,8 +5,10 @@
 
 ``python -m tests.services start DIR`` starts PostgreSQL and Redis on free loopback ports
 with their data in ``DIR`` and prints ``export`` lines for the shell; ``stop DIR`` stops
-them. PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user.
-Missing binaries are installed with apt when running as root.
+them. PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user: its
+commands run from ``/`` (that user may not enter the caller's working directory), and the
+data folder's parents are made traversable for it (search only, ``o+x``: a ``mkdtemp``
+folder is ``0700``). Missing binaries are installed with apt when running as root.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import glob
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -85,6 +89,26 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return cmd
 
 
+def run_as_postgres(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    """Run a PostgreSQL command as the server's owner, from ``/``.
+
+    As root the command runs as ``postgres``, which may not be able to enter the caller's
+    working directory (``could not change directory to "…": Permission denied``).
+    """
+    return subprocess.run(_as_postgres(cmd), cwd="/", **kwargs)
+
+
+def reachable_by_postgres(folder: Path) -> None:
+    """As root, let the ``postgres`` user reach ``folder``: give each ancestor that lacks
+    it the search permission for others (``o+x``; nothing becomes listable or writable)."""
+    if os.geteuid() != 0:
+        return
+    for part in [folder, *folder.parents]:
+        mode = stat.S_IMODE(part.stat().st_mode)
+        if not mode & stat.S_IXOTH:
+            part.chmod(mode | stat.S_IXOTH)
+
+
 def _wait_port(port: int, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,20 +130,19 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
     port = free_port()
     if os.geteuid() == 0:
         shutil.chown(base, "postgres")
-    subprocess.run(
-        _as_postgres(
-            [
-                str(bindir / "initdb"),
-                "-D",
-                str(data),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ]
-        ),
+        reachable_by_postgres(base)
+    run_as_postgres(
+        [
+            str(bindir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
         cwd=POSTGRES_CWD,
@@ -130,20 +153,18 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
     )
     if extra_options:
         options = f"{options} {extra_options}"
-    subprocess.run(
-        _as_postgres(
-            [
-                str(bindir / "pg_ctl"),
-                "-D",
-                str(data),
-                "-o",
-                options,
-                "-l",
-                str(base / "postgres.log"),
-                "-w",
-                "start",
-            ]
-        ),
+    run_as_postgres(
+        [
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-o",
+            options,
+            "-l",
+            str(base / "postgres.log"),
+            "-w",
+            "start",
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
         cwd=POSTGRES_CWD,
@@ -190,10 +211,8 @@ def start_redis(base: Path) -> dict[str, str]:
 def stop(base: Path) -> None:
     data = base / "pgdata"
     if data.exists():
-        subprocess.run(
-            _as_postgres(
-                [str(pg_bindir() / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]
-            ),
+        run_as_postgres(
+            [str(pg_bindir() / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,

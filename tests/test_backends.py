@@ -209,28 +209,91 @@ def test_statements__fenced_result_write_against_plain(routed: str) -> None:
     assert Lease.objects.using(routed).get(key="job").released_at is not None
 
 
-@pytest.mark.parametrize(
-    ("state", "value", "ends"),
-    [
-        (states.REVOKED, None, True),
-        (states.FAILURE, WorkerLostError("lost"), True),
-        (states.FAILURE, ValueError("an ordinary failure"), False),
-    ],
-)
-def test_untokened_end_of_execution__releases_that_task_grants_only(
-    routed: str, state: str, value: Any, ends: bool
-) -> None:
-    mine = acquire("job:mine", ttl=30, task_id="t1", using=routed)
-    other = acquire("job:other", ttl=30, task_id="t2", using=routed)
+def main_process_request(task_id: str, pid: int | None) -> Context:
+    """The context the worker's main process reports with (see celery_fenced.requests)."""
+    from celery_fenced.requests import EndedProcess
+
+    request = request_for(task_id)
+    request._fenced_process = EndedProcess(f"w@h:{pid}:" if pid else None)
+    return request
+
+
+def report(state: str, task_id: str, request: Context) -> None:
+    backend = FencedDatabaseBackend(app=app)
     if state == states.REVOKED:
-        FencedDatabaseBackend(app=app).mark_as_revoked(
-            "t1", "terminated", request=request_for("t1")
-        )
+        backend.mark_as_revoked(task_id, "terminated", request=request)
     else:
-        FencedDatabaseBackend(app=app).store_result("t1", value, state, request=request_for("t1"))
-    assert (Lease.objects.using(routed).get(key="job:mine").released_at is not None) is ends
+        backend.mark_as_failure(task_id, WorkerLostError("lost"), request=request)
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__ends_the_grant_of_the_process_that_ended_only(
+    routed: str, state: str
+) -> None:
+    mine = acquire("job:mine", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    other = acquire("job:other", ttl=30, task_id="t2", owner="w@h:100:2", using=routed)
+    report(state, "t1", main_process_request("t1", 100))
+    assert Lease.objects.using(routed).get(key="job:mine").released_at is not None
     assert Lease.objects.using(routed).get(key="job:other").released_at is None
-    if ends:
-        event = LeaseEvent.objects.using(routed).get(kind="force_released")
-        assert (event.token, event.task_id) == (mine.token, "t1")
+    event = LeaseEvent.objects.using(routed).get(kind="force_released")
+    assert (event.token, event.task_id) == (mine.token, "t1")
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == state
     other.renew()
+
+
+@pytest.mark.parametrize("pid", [200, None], ids=["stale-process", "never-started"])
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__changes_nothing_while_another_execution_holds_the_job(
+    routed: str, state: str, pid: int | None
+) -> None:
+    """A's time limit / lost child / a late copy's expiry, while B runs the job (issue
+    14, case 1): B's grant stands, nothing is stored, and B's SUCCESS is stored later."""
+    current = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    report(state, "t1", main_process_request("t1", pid))
+    assert Lease.objects.using(routed).get(key="job").released_at is None
+    assert not LeaseEvent.objects.using(routed).filter(kind="force_released").exists()
+    assert not TaskResult.objects.using(routed).filter(task_id="t1").exists()
+    current.renew()
+    backend = FencedDatabaseBackend(app=app)
+    backend.mark_as_done("t1", {"v": 1}, request=request_for("t1", current))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.SUCCESS
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__without_any_grant_is_stored_as_celery_would(
+    routed: str, state: str
+) -> None:
+    report(state, "t1", main_process_request("t1", None))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == state
+
+
+def test_untokened_write__check_and_write_are_one_step_against_a_fenced_write(
+    routed: str,
+) -> None:
+    """A duplicate delivery's STARTED write checks while a fenced SUCCESS commits (issue
+    14, case 10): it waits for the fenced transaction, then sees the final row and writes
+    nothing."""
+    import threading
+
+    from django.db import transaction
+
+    from .conftest import wait_until_blocked
+
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"pid": 1}, states.STARTED, request=request_for("t1"))
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+
+    def started() -> None:
+        try:
+            backend.store_result("t1", {"pid": 2}, states.STARTED, request=request_for("t1"))
+        finally:
+            connections[routed].close()
+
+    with transaction.atomic(using=routed):
+        backend.mark_as_done("t1", {"v": 1}, request=request_for("t1", lease))
+        duplicate = threading.Thread(target=started)
+        duplicate.start()
+        wait_until_blocked(routed, duplicate)
+    duplicate.join(timeout=30)
+    row = TaskResult.objects.using(routed).get(task_id="t1")
+    assert (row.status, json.loads(row.result)) == (states.SUCCESS, {"v": 1})

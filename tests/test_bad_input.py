@@ -90,7 +90,11 @@ SETTINGS = [
     ("fenced_tasks", {"chaos.*": {"key": ["k"]}}, ["fenced_tasks['chaos.*'] key", "template"]),
     ("fenced_tasks", {"chaos.*": {"on_busy": "never"}}, ["fenced_tasks['chaos.*'] on_busy"]),
     ("fenced_database", 5, ["fenced_database", "database alias in DATABASES", "5"]),
-    ("fenced_database", "replica", ["fenced_database", "default, postgres", "'replica'"]),
+    (
+        "fenced_database",
+        "replica",
+        ["fenced_database", "default, default_replica, postgres", "'replica'"],
+    ),
     # the reclaimer's settings, when the package has them
     ("fenced_reclaim", "yes", ["fenced_reclaim", "True, False or None", "'yes'"]),
     ("fenced_reclaim_max", 0, ["fenced_reclaim_max", "integer of 1 or more", "0"]),

@@ -49,7 +49,11 @@ INVALID = [
         {"mod.*": {"ttl": 10, "renew_interval": 10}},
         ["fenced_tasks['mod.*'] renew interval", "shorter than the lease ttl (10s)"],
     ),
-    ("fenced_database", "nosuch", ["fenced_database", "default, postgres", "'nosuch'"]),
+    (
+        "fenced_database",
+        "nosuch",
+        ["fenced_database", "default, default_replica, postgres", "'nosuch'"],
+    ),
     ("fenced_database", 3, ["fenced_database", "database alias in DATABASES"]),
 ]
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.db import connections
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 
-from celery_fenced import StaleToken, acquire, context, fenced_update
+from celery_fenced import FencedTask, StaleToken, acquire, context, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.renewal import renewer
 from celery_fenced.store import HeldLease
 from testproject.demo.models import Report
 
 from .conftest import DATABASE_ALIASES
+from .tracing import fenced_app, trace
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -21,7 +27,8 @@ db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 def reports(alias: str, *tokens: int) -> Any:
     """Rows with these tokens; returns the queryset of all of them."""
     for i, token in enumerate(tokens):
-        Report.objects.using(alias).create(name=f"r{i}", body="old", fencing_token=token)
+        report = Report.objects.using(alias).create(name=f"r{i}", body="old")
+        Report.objects.using(alias).filter(pk=report.pk).update(fencing_token=token)
     return Report.objects.using(alias).all()
 
 
@@ -165,4 +172,173 @@ def test_fenced_update__guard_of_another_key_does_not_prove_the_current_lease(
     running_under(stale)
     with pytest.raises(StaleToken), other.guard():
         fenced_update(queryset, token=stale.token, body="stale")
+    assert rows(alias) == [("r0", "old", 0)]
+
+
+@pytest.fixture
+def primary_replica(alias: str, settings: Any) -> Iterator[str]:
+    """Reads routed to ``alias``'s replica (the same database, another connection)."""
+    from . import routers
+
+    routers.TARGET = alias
+    settings.DATABASE_ROUTERS = ["tests.routers.PrimaryReplica"]
+    yield alias
+    routers.TARGET = "default"
+
+
+replicated = pytest.mark.django_db(
+    transaction=True, databases=[*DATABASE_ALIASES, *(f"{a}_replica" for a in DATABASE_ALIASES)]
+)
+
+
+@replicated
+def test_fenced_update__routed_queryset_checks_and_writes_on_the_primary(
+    primary_replica: str,
+) -> None:
+    alias = primary_replica
+    reports(alias, 1, 5)
+    queryset = Report.objects.all()  # not .using(): the router picks the databases
+    assert queryset.db == f"{alias}_replica"
+    with pytest.raises(StaleToken) as stale:
+        fenced_update(queryset, token=3, body="new")
+    assert stale.value.current == 5
+    assert rows(alias) == [("r0", "old", 1), ("r1", "old", 5)]  # nothing partly written
+    assert fenced_update(Report.objects.filter(name="r0"), token=3, body="new") == 1
+    assert rows(alias) == [("r0", "new", 3), ("r1", "old", 5)]
+
+
+@replicated
+def test_fenced_update__explicit_using_is_kept(primary_replica: str) -> None:
+    alias = primary_replica
+    reports(alias, 1)
+    with CaptureQueriesContext(connections[f"{alias}_replica"]) as on_replica:
+        assert fenced_update(Report.objects.using(alias), token=2, body="new") == 1
+    assert not on_replica.captured_queries
+    assert rows(alias) == [("r0", "new", 2)]
+
+
+@db
+def test_save__instance_read_earlier_does_not_write_its_older_token_back(alias: str) -> None:
+    reports(alias, 1)
+    report = Report.objects.using(alias).get(name="r0")  # read under token 1
+    fenced_update(Report.objects.using(alias).filter(pk=report.pk), token=5, body="by 5")
+    report.built_by = "an unfenced save"
+    report.save()
+    assert rows(alias) == [("r0", "old", 5)]  # the save wrote its fields, not its token
+    assert Report.objects.using(alias).get(pk=report.pk).built_by == "an unfenced save"
+    assert report.fencing_token == 1  # the instance keeps what it read, not an expression
+    with pytest.raises(StaleToken) as stale:
+        fenced_update(Report.objects.using(alias).filter(pk=report.pk), token=3, body="by 3")
+    assert stale.value.current == 5
+    assert rows(alias) == [("r0", "old", 5)]
+
+
+@db
+@pytest.mark.parametrize("how", ["save", "create", "bulk_create"])
+def test_save__insert_writes_no_token(alias: str, how: str) -> None:
+    report = Report(name="r0", body="old", fencing_token=9)
+    if how == "save":
+        report.save(using=alias)
+    elif how == "create":
+        report = Report.objects.using(alias).create(name="r0", body="old", fencing_token=9)
+    else:
+        Report.objects.using(alias).bulk_create([report])
+    assert rows(alias) == [("r0", "old", 0)]
+    assert report.fencing_token == 0
+
+
+@db
+def test_save__inside_a_guard_holding_the_token_sets_it(alias: str) -> None:
+    lease = acquire("report:1", ttl=30, using=alias)
+    reports(alias, 0)
+    report = Report.objects.using(alias).get(name="r0")
+    with lease.guard():
+        report.fencing_token = lease.token + 1  # not the guard's token: kept as stored
+        report.save()
+        assert rows(alias) == [("r0", "old", 0)]
+        report.fencing_token = lease.token
+        report.save()
+        Report.objects.using(alias).create(name="r1", body="new", fencing_token=lease.token)
+    assert rows(alias) == [("r0", "old", 1), ("r1", "new", 1)]
+    report.fencing_token = 7
+    report.save()  # outside the guard: kept as stored
+    assert rows(alias) == [("r0", "old", 1), ("r1", "new", 1)]
+
+
+@db
+def test_fenced_update__helper_thread_of_a_taken_over_task_is_refused(lease_db: str) -> None:
+    """The lease is found for the thread (no context) by its token, and proven."""
+    alias = lease_db
+    reports(alias, 0)  # the row has not seen the newer token: it alone would accept
+    app = fenced_app("fencing-threads")
+    outcome: dict[str, Any] = {}
+
+    @app.task(bind=True, name="fencing.build", base=FencedTask, shared=False, lease_key="r:{n}")
+    def build(self: Any, n: int) -> None:
+        token = self.request.fencing_token
+        Lease.objects.using(alias).filter(key="r:1").update(expires_at=F("acquired_at"))
+        acquire("r:1", ttl=30, owner="fresh", using=alias)  # taken over: token 2
+
+        def helper() -> None:
+            try:
+                outcome["updated"] = fenced_update(
+                    Report.objects.using(alias), token=token, body="stale"
+                )
+            except StaleToken as exc:
+                outcome["refused"] = exc
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join(timeout=60)
+
+    trace(build, "task-1", 1)
+    assert "updated" not in outcome
+    refused = outcome["refused"]
+    assert (refused.key, refused.token, refused.current) == ("r:1", 1, 2)
+    assert rows(alias) == [("r0", "old", 0)]
+
+
+@db
+def test_fenced_update__without_a_lease_in_context_proves_every_lease_held_under_the_token(
+    alias: str,
+) -> None:
+    """Two leases of this process carry token 1 (different keys): the write proves both."""
+    queryset = reports(alias, 0)
+    current = acquire("k:current", ttl=30, using=alias)
+    stale = taken_over(alias, "k:stale")
+    assert current.token == stale.token == 1
+    renewer().register(current)
+    renewer().register(stale)
+    try:
+        with pytest.raises(StaleToken) as refused:
+            fenced_update(queryset, token=1, body="stale")
+        assert refused.value.key == "k:stale"
+        renewer().unregister(stale)
+        assert fenced_update(queryset, token=1, body="current") == 1
+    finally:
+        renewer().unregister(current)
+        renewer().unregister(stale)
+        current.release()
+    assert rows(alias) == [("r0", "current", 1)]
+
+
+@db
+def test_fenced_update__without_context_a_lease_found_lost_is_still_proven(alias: str) -> None:
+    """The renewer found the lease lost; until its execution ends, its token is refused."""
+    queryset = reports(alias, 0)
+    stale = acquire("k:stale", ttl=30, using=alias, renew_interval=0.05)
+    Lease.objects.using(alias).filter(key="k:stale").update(expires_at=F("acquired_at"))
+    acquire("k:stale", ttl=30, owner="fresh", using=alias)
+    renewer().register(stale)
+    try:
+        deadline = time.monotonic() + 15
+        while stale in renewer().held() or not stale.lost:  # the renewer's refusal
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(StaleToken):
+            fenced_update(queryset, token=stale.token, body="stale")
+    finally:
+        renewer().unregister(stale)
     assert rows(alias) == [("r0", "old", 0)]

@@ -227,3 +227,70 @@ def test_sigstop_holder__reclaimed_completed_by_the_other_and_fenced_after_sigco
     entry = LedgerEntry.objects.using(alias).get(job="paused")
     assert (entry.worker, entry.token) == (label(other), t + 1)
     assert Lease.objects.using(alias).get(key=lease.key).token == t + 1
+
+
+@PAIRS
+def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
+    alias: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 14, case 1. A's pool child is stopped holding the job; the reclaimer re-sends
+    it and B takes over (token 2). Only then does A's main process run again: A's hard
+    time limit has passed, so it kills the child and reports ``TimeLimitExceeded``. That
+    report ends no grant of B's and stores nothing; B's SUCCESS is the job's result."""
+    import signal
+
+    queue = f"q-stale-limit-{uuid.uuid4().hex[:8]}"
+    env = {**broker.env, "FENCED_TASKS_JSON": TASKS}
+    started: list[Worker] = []
+
+    def start(name: str, *args: str) -> Worker:
+        worker = Worker(
+            name, database=alias, queue=queue, log_dir=tmp_path, env=env, extra_args=args
+        )
+        started.append(worker)
+        worker.wait_ready()
+        return worker
+
+    try:
+        a = start("A", "--time-limit", "3")
+        result = broker.app.send_task(EFFECT, args=("limited", "effect", 4.0), queue=queue)
+        task_id = str(result.id)
+        lease = wait_for(
+            lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "A's grant"
+        )
+        a.pause()  # main process and child: A's time limit cannot fire yet
+        b = start("B")
+
+        def taken_over() -> Lease | None:
+            reclaim_expired(broker.app, using=alias)
+            return (
+                Lease.objects.using(alias).filter(task_id=task_id, token=lease.token + 1).first()
+            )
+
+        current = wait_for(taken_over, TTL + 45, "B to take the job over", every=SWEEP)
+        assert current.owner.startswith(f"{b.name}@")
+        os.kill(a.process.pid, signal.SIGCONT)  # only A's main process runs again
+        wait_for(lambda: "Hard time limit" in a.output(), 30, "A's hard time limit")
+        row = wait_for(
+            lambda: (
+                TaskResult.objects.using(alias)
+                .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
+                .first()
+            ),
+            60,
+            "the job's result",
+        )
+        assert (row.status, json.loads(row.result)) == (
+            "SUCCESS",
+            {"worker": "B", "token": lease.token + 1},
+        )
+        kinds = story(alias, task_id)
+        assert ("force_released", lease.token + 1) not in kinds
+        assert ("released", lease.token + 1) in kinds
+    finally:
+        for worker in started:
+            worker.resume()
+            worker.stop()
+        if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+            for worker in started:
+                print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
+from django.db import connections, transaction
+from django.db.models import F
 
-from celery_fenced import acquire
+from celery_fenced import LeaseBusy, LeaseLost, acquire
+from celery_fenced.models import Lease
 from celery_fenced.renewal import Renewer
 
 from .conftest import DATABASE_ALIASES
@@ -45,3 +51,100 @@ def test_renewer__renews_every_held_lease_in_one_statement(alias: str) -> None:
     assert len(renewals) == 1
     assert all(lease.expires_at >= b for lease, b in zip(leases, before, strict=True))
     assert not any(lease.lost for lease in leases)
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@contextmanager
+def row_locked(alias: str, key: str) -> Iterator[None]:
+    """Another connection holds the lease row: PostgreSQL ``SELECT … FOR UPDATE``; on
+    SQLite a write transaction (it locks the whole database)."""
+    holding, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            with transaction.atomic(using=alias):
+                rows = Lease.objects.using(alias).select_for_update().filter(key=key)
+                assert len(rows) == 1
+                if connections[alias].vendor == "sqlite":
+                    rows.update(owner=F("owner"))  # takes the write lock
+                holding.set()
+                done.wait(60)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            holding.set()
+            connections.close_all()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert holding.wait(30)
+    assert not errors
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(60)
+    assert not errors
+
+
+def test_renewer__hung_renewal_loses_the_lease_at_its_local_deadline(alias: str) -> None:
+    """The renewal waits on a lock: the lease is lost by the local deadline, not never."""
+    renewer = Renewer()
+    blocked = acquire("blocked", ttl=2, using=alias, renew_interval=0.3)
+    free = acquire("free", ttl=30, using=alias, renew_interval=0.3)
+    try:
+        with row_locked(alias, "blocked"):
+            started = time.monotonic()
+            renewer.register(blocked)
+            renewer.register(free)
+            wait_for(lambda: blocked.lost)
+            assert time.monotonic() >= blocked.local_deadline
+            # and the renewer marks it (log, signal): at the deadline, or as refused once
+            # the database's expiry lets the statement pass the locked row
+            wait_for(lambda: blocked._lost_reason is not None)
+            with pytest.raises(LeaseLost):
+                blocked.check()
+            if alias == "postgres":  # row locks: the other lease is renewed meanwhile
+                wait_for(lambda: free._confirmed_at > started + 0.5)
+
+        def taken_over() -> bool:
+            try:
+                acquire("blocked", ttl=30, owner="another worker", using=alias)
+            except LeaseBusy:
+                return False
+            return True
+
+        wait_for(taken_over)  # the database's expiry came, and another worker took over
+        assert blocked.lost
+        with pytest.raises(LeaseLost):
+            blocked.check()
+        after = time.monotonic()
+        wait_for(lambda: free._confirmed_at > after)  # the thread survived the timeouts
+        assert renewer._thread is not None
+        assert renewer._thread.is_alive()
+        assert not free.lost
+    finally:
+        renewer.unregister(blocked)
+        renewer.unregister(free)
+    free.release()
+    assert not free.lost
+
+
+def test_lost__by_the_local_deadline_without_asking_the_database(alias: str) -> None:
+    lease = acquire("k", ttl=30, using=alias)
+    released = acquire("r", ttl=30, using=alias)
+    released.release()
+    for handle in (lease, released):
+        handle._confirmed_at -= 31  # as if the last confirmed renewal were 31 s ago
+    assert lease.lost
+    assert lease.lost_reason is not None
+    with pytest.raises(LeaseLost, match="no renewal within the ttl"):
+        lease.check()
+    assert not released.lost  # a released lease is not lost

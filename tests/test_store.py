@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from typing import Any
 
@@ -18,11 +19,11 @@ from celery_fenced import (
     force_release,
 )
 from celery_fenced import signals as fenced_signals
-from celery_fenced.dialects import Dialect, for_alias
+from celery_fenced.dialects import Completed, Delivery, Dialect, Grant, for_alias
 from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
 
-from .conftest import DATABASE_ALIASES
+from .conftest import DATABASE_ALIASES, wait_until_blocked
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -290,6 +291,10 @@ def test_statements__sqlite_state_change_and_event_in_one_transaction() -> None:
     assert len(data_statements(queries)) == 1
 
 
+def delivery(task_id: str = "t1", retries: int = 0, digest: str = "m1") -> Delivery:
+    return Delivery(task_id, digest, retries)
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_release_current__proves_and_releases_in_the_callers_transaction(
     alias: str, portable: bool
@@ -303,28 +308,35 @@ def test_release_current__proves_and_releases_in_the_callers_transaction(
     # a failure after it (the result write) rolls the release and its event back
     def failing_write() -> None:
         with transaction.atomic(using=alias):
-            assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", 0) == (True, 1)
+            assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", delivery()) == (True, 1)
             raise RuntimeError("the result write failed")
 
     with pytest.raises(RuntimeError):
         failing_write()
-    assert Lease.objects.using(alias).get(key="k").released_at is None
+    row = Lease.objects.using(alias).get(key="k")
+    assert (row.released_at, row.completed_digest) == (None, "")
     assert kinds(alias, "k") == [("acquired", 1)]
     with transaction.atomic(using=alias):
-        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", 2) == (True, 1)
+        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", delivery(retries=2)) == (
+            True,
+            1,
+        )
     row = Lease.objects.using(alias).get(key="k")
     assert (row.released_at is not None, row.job) == (True, None)
+    assert (row.completed_digest, row.completed_retries) == ("m1", 2)
+    assert row.completed_at is not None
     event = LeaseEvent.objects.using(alias).get(lease__key="k", kind="released")
     assert (event.token, event.task_id, event.owner) == (1, "t1", "a")
-    assert event.detail == {"state": "SUCCESS", "retries": 2}
+    assert event.detail == {"state": "SUCCESS", "retries": 2, "digest": "m1"}
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("case", ["released", "expired", "superseded", "unknown key"])
-def test_release_current__refuses_what_prove_current_refuses(
+def test_release_current__refuses_a_grant_that_is_not_the_keys_unreleased_one(
     alias: str, portable: bool, case: str
 ) -> None:
-    """Same rule as prove_current (by the database's clock); nothing is changed."""
+    """prove_current also refuses an expired grant; release_current accepts one that
+    nobody took over (its token is still the key's: no newer work exists)."""
     from django.db import transaction
 
     dialect = for_alias(alias, portable=portable)
@@ -338,15 +350,18 @@ def test_release_current__refuses_what_prove_current_refuses(
         expire(alias, "k")
         dialect.acquire("k", 30, "b", "t2", "task")
         current = 2
-    else:
-        token = 1
     key = "nosuch" if case == "unknown key" else "k"
     before = list(Lease.objects.using(alias).values().order_by("id"))
     events = kinds(alias, "k")
     with transaction.atomic(using=alias):
         assert dialect.prove_current(key, token) == (False, None if key == "nosuch" else current)
-        refused = dialect.release_current(key, token, "a", "t1", "SUCCESS", 0)
-    assert refused == (False, None if key == "nosuch" else current)
+        outcome = dialect.release_current(key, token, "a", "t1", "SUCCESS", delivery())
+    if case == "expired":
+        assert outcome == (True, 1)
+        assert Lease.objects.using(alias).get(key="k").released_at is not None
+        assert kinds(alias, "k") == [*events, ("released", 1)]
+        return
+    assert outcome == (False, None if key == "nosuch" else current)
     assert list(Lease.objects.using(alias).values().order_by("id")) == before
     assert kinds(alias, "k") == events
 
@@ -378,95 +393,159 @@ def test_release_current__no_newer_grant_before_the_commit(alias: str) -> None:
     assert outcome == [2]
 
 
-def completion(alias: str, task_id: str, state: str, retries: int | None) -> None:
-    """Grant ``task_id`` a key of its own and release it as ``state`` at ``retries``."""
+def completion(alias: str, done: Delivery, state: str = "SUCCESS", key: str = "") -> None:
+    """Grant ``done``'s task id a key (its own by default) and release it as ``state``."""
     from django.db import transaction
 
     dialect = for_alias(alias)
-    key = f"done:{task_id}:{state}:{retries}"
-    dialect.acquire(key, 30, "w", task_id, "task")
+    key = key or f"done:{done.task_id}:{state}:{done.retries}"
+    granted = dialect.acquire(key, 30, "w", done.task_id, "task")
+    assert isinstance(granted, Grant)
     with transaction.atomic(using=alias):
-        assert dialect.release_current(key, 1, "w", task_id, state, retries)[0]
+        assert dialect.release_current(key, granted.token, "w", done.task_id, state, done)[0]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("same_key", [False, True], ids=["other-key", "same-key"])
 @pytest.mark.parametrize(
-    ("state", "completed_at", "delivery", "duplicate"),
+    ("state", "completed_at", "delivered", "digest", "duplicate"),
     [
-        ("SUCCESS", 0, 0, True),  # a redelivered message
-        ("SUCCESS", 2, 1, True),  # an older message of the same task id
-        ("FAILURE", 1, 1, True),
-        ("FAILURE", 0, 1, False),  # a retry sent before the execution failed
-        ("RETRY", 0, 0, False),  # not completed: the retry runs
-        ("REVOKED", 0, 0, False),
-        ("SUCCESS", None, 5, True),  # an event recorded before retries were: as before
+        ("SUCCESS", 0, 0, "m1", True),  # a redelivered message
+        ("SUCCESS", 2, 1, "m1", True),  # an older message of the same task id
+        ("FAILURE", 1, 1, "m1", True),
+        ("FAILURE", 0, 1, "m1", False),  # a retry the body asked for before it failed
+        ("SUCCESS", 0, 0, "m2", False),  # the task id reused for a new job
+        ("RETRY", 0, 0, "m1", False),  # not completed: the retry runs
+        ("REVOKED", 0, 0, "m1", False),
     ],
 )
-def test_acquire__completed_task_id_is_not_granted_in_the_same_statement(
+def test_acquire__completed_job_is_not_granted_in_the_same_statement(
     alias: str,
     portable: bool,
+    same_key: bool,
     state: str,
-    completed_at: int | None,
-    delivery: int,
+    completed_at: int,
+    delivered: int,
+    digest: str,
     duplicate: bool,
 ) -> None:
-    from celery_fenced.dialects import Completed, Grant
-
-    completion(alias, "t1", state, completed_at)
-    completion(alias, "other", "SUCCESS", 9)  # another task id's completion changes nothing
+    """Read from the lease row's marker (same key) or the released events (the key was
+    used by another job since)."""
+    completion(alias, delivery("t1", completed_at), state, key="job" if same_key else "")
+    completion(alias, delivery("other", 9, "m1"))  # another task id's completion: nothing
+    if same_key:
+        completion(alias, delivery("t9", 0, "m9"), key="job")  # another job used it since
     dialect = for_alias(alias, portable=portable)
     before = kinds(alias, "job")
-    outcome = dialect.acquire("job", 30, "a", "t1", "task", None, delivery)
+    outcome = dialect.acquire(
+        "job", 30, "a", "t1", "task", None, delivery("t1", delivered, digest), 3600
+    )
     if duplicate:
-        assert outcome == Completed("t1", delivery)
-        assert not Lease.objects.using(alias).filter(key="job").exists()
-        assert kinds(alias, "job") == before == []
+        assert outcome == Completed("t1", delivered)
+        assert kinds(alias, "job") == before
     else:
         assert isinstance(outcome, Grant)
-        assert kinds(alias, "job") == [("acquired", 1)]
-    # without the delivery's retries (or without a task id) nothing is checked
+        assert kinds(alias, "job")[len(before) :][0][0] in ("acquired",)
+    # without a delivery (or without a task id) nothing is checked
     assert isinstance(dialect.acquire("free1", 30, "a", "t1", "task"), Grant)
-    assert isinstance(dialect.acquire("free2", 30, "a", "", "task", None, 0), Grant)
+    assert isinstance(
+        dialect.acquire("free2", 30, "a", "", "task", None, delivery(""), 3600), Grant
+    )
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("same_key", [False, True], ids=["other-key", "same-key"])
+def test_acquire__completion_older_than_the_duplicate_window_is_not_a_duplicate(
+    alias: str, portable: bool, same_key: bool
+) -> None:
+    completion(alias, delivery(), key="job" if same_key else "")
+    dialect = for_alias(alias, portable=portable)
+    assert isinstance(
+        dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600), Completed
+    )
+    # ten minutes later, with a window of five
+    past = dt.timedelta(minutes=10)
+    Lease.objects.using(alias).update(completed_at=F("completed_at") - past)
+    LeaseEvent.objects.using(alias).update(at=F("at") - past)
+    assert isinstance(dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 300), Grant)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_acquire__completed_duplicate_of_a_held_key_is_a_duplicate_not_busy(
     alias: str, portable: bool
 ) -> None:
-    from celery_fenced.dialects import Completed, Holder
+    from celery_fenced.dialects import Holder
 
-    completion(alias, "t1", "SUCCESS", 0)
+    completion(alias, delivery())
     dialect = for_alias(alias, portable=portable)
-    dialect.acquire("job", 30, "holder", "t2", "task", None, 0)
-    assert dialect.acquire("job", 30, "a", "t1", "task", None, 0) == Completed("t1", 0)
-    busy = dialect.acquire("job", 30, "a", "t3", "task", None, 0)
+    dialect.acquire("job", 30, "holder", "t2", "task", None, delivery("t2"), 3600)
+    assert dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600) == Completed(
+        "t1", 0
+    )
+    busy = dialect.acquire("job", 30, "a", "t3", "task", None, delivery("t3"), 3600)
     assert isinstance(busy, Holder)
     assert busy.owner == "holder"
     assert kinds(alias, "job") == [("acquired", 1), ("busy", 1)]
 
 
-def test_acquire__store_raises_already_completed_and_records_retries(alias: str) -> None:
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_acquire__completion_committing_while_the_duplicate_waits_is_seen(
+    alias: str, portable: bool
+) -> None:
+    """The duplicate's grant statement starts before the completing transaction commits
+    and waits for the lease row: it must not be granted (issue 14, case 4)."""
+    import threading
+
+    if portable and alias == "default":
+        pytest.skip("the portable dialect relies on row locks, which SQLite does not have")
+
+    from django.db import transaction
+
+    dialect = for_alias(alias, portable=portable)
+    dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600)
+    outcome: list[Any] = []
+
+    def duplicate() -> None:
+        try:
+            other = for_alias(alias, portable=portable)
+            outcome.append(other.acquire("job", 30, "b", "t1", "task", None, delivery(), 3600))
+        finally:
+            connections[alias].close()
+
+    with transaction.atomic(using=alias):
+        assert dialect.release_current("job", 1, "a", "t1", "SUCCESS", delivery())[0]
+        thread = threading.Thread(target=duplicate)
+        thread.start()
+        wait_until_blocked(alias, thread)
+    thread.join(timeout=30)
+    assert outcome == [Completed("t1", 0)]
+    assert Lease.objects.using(alias).get(key="job").token == 1
+
+
+def test_acquire__store_raises_already_completed_and_marks_the_lease_row(alias: str) -> None:
     from celery_fenced.exceptions import AlreadyCompleted
 
-    lease = acquire("job", ttl=30, task_id="t1", retries=3, using=alias)
-    assert lease.retries == 3
+    lease = acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
+    assert lease.delivery == delivery(retries=3)
     assert lease.release(state="SUCCESS")
     event = LeaseEvent.objects.using(alias).get(kind="released")
-    assert event.detail == {"state": "SUCCESS", "retries": 3}
+    assert event.detail == {"state": "SUCCESS", "retries": 3, "digest": "m1"}
     with pytest.raises(AlreadyCompleted) as completed:
-        acquire("job", ttl=30, task_id="t1", retries=3, using=alias)
+        acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
     assert (completed.value.key, completed.value.task_id, completed.value.retries) == (
         "job",
         "t1",
         3,
     )
-    assert acquire("job", ttl=30, task_id="t1", retries=4, using=alias).token == 2
+    assert (
+        acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=4), using=alias).token == 2
+    )
 
 
 def test_statements__grant_with_duplicate_check_is_one_statement_on_postgres() -> None:
     connection = connections["postgres"]
     with CaptureQueriesContext(connection) as queries:
-        acquire("k", ttl=30, task_id="t1", retries=0, using="postgres")
+        acquire("k", ttl=30, task_id="t1", delivery=delivery(), using="postgres")
     statements = data_statements(queries)
     assert len(statements) == 1
     assert "NOT EXISTS" in statements[0]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.exceptions import Retry
+from django.db import connections
 
 from celery_fenced import FencedTask, LeaseBusy, acquire
 from celery_fenced.models import Lease
@@ -80,3 +82,42 @@ def test_busy_retry__eager_keeps_the_task_limit(lease_db: str) -> None:
         holder.release()
     assert outcome.failed()
     assert isinstance(outcome.result, LeaseBusy)
+
+
+@db
+def test_direct_call__threads_each_hold_and_release_their_own_lease(lease_db: str) -> None:
+    """Celery's default request is one per task object: each direct call needs its own."""
+    app = Celery("task-calls-threads", set_as_current=False, broker="memory://")
+    both_inside = threading.Barrier(2, timeout=30)
+    seen: dict[int, tuple[Any, ...]] = {}
+
+    @app.task(
+        bind=True,
+        name="calls.bound",
+        base=FencedTask,
+        shared=False,
+        lease_key="report:{report_id}",
+    )
+    def bound(self: Any, report_id: int) -> None:
+        both_inside.wait()  # both calls have taken their lease before either ends
+        seen[report_id] = (self.request.lease_key, self.request.fencing_token, self.lease.key)
+        both_inside.wait()
+
+    def call(report_id: int) -> None:
+        try:
+            bound(report_id)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert seen == {1: ("report:1", 1, "report:1"), 2: ("report:2", 1, "report:2")}
+    assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
+    assert not [held for held in renewer().held() if held.key.startswith("report:")]
+    assert bound._default_request is None or not getattr(
+        bound._default_request, "_fenced_lease", None
+    )

@@ -10,16 +10,19 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Q
 from django.db.models.functions import Greatest
+from django_celery_results.models import TaskResult
 
 from celery_fenced.dialects.records import (
     COMPLETED_STATES,
     Claim,
     Completed,
+    Delivery,
     Grant,
     Holder,
     Renewal,
     abandoned_detail,
     aware,
+    completes,
     released_detail,
 )
 from celery_fenced.models import Lease, LeaseEvent
@@ -44,20 +47,22 @@ class Dialect:
         task_id: str,
         task_name: str,
         job: str | None = None,
-        retries: int | None = None,
+        delivery: Delivery | None = None,
+        window: float = 0.0,
     ) -> Grant | Holder | Completed:
         """Grant ``key``, or tell who holds it.
 
-        With a ``task_id`` and the delivery's ``retries``, a task id that already
-        completed (see :meth:`completed`) is not granted: :class:`Completed`.
+        With a ``delivery`` whose job already completed within ``window`` seconds (see
+        :meth:`completed`) nothing is granted: :class:`Completed`. The lease row is
+        locked before that is read, so a completion committing meanwhile is seen.
         """
         with transaction.atomic(using=self.alias):
-            if task_id and retries is not None and self.completed(task_id, retries):
-                return Completed(task_id, retries)
             manager = Lease._default_manager.using(self.alias)
+            row = manager.select_for_update().filter(key=key).first()
+            if delivery is not None and delivery.task_id and self.completed(key, delivery, window):
+                return Completed(task_id, delivery.retries)
             now = self.now()
             expires = now + dt.timedelta(seconds=ttl)
-            row = manager.select_for_update().filter(key=key).first()
             if row is None:
                 row = manager.create(
                     key=key,
@@ -178,7 +183,7 @@ class Dialect:
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
         with transaction.atomic(using=self.alias):
             now = self.now()
@@ -190,22 +195,44 @@ class Dialect:
             )
             if row is None:
                 return False
-            manager.filter(pk=row.pk).update(released_at=now, job=None)
-            self._event(
-                row.pk, "released", token, task_id, owner, now, released_detail(state, retries)
-            )
+            self._end(row.pk, token, task_id, owner, now, state, delivery)
             return True
 
+    def _end(
+        self,
+        lease_id: int,
+        token: int,
+        task_id: str,
+        owner: str,
+        now: dt.datetime,
+        state: str,
+        delivery: Delivery | None,
+    ) -> None:
+        """Release a locked grant, mark its job completed if it is, record the event."""
+        values: dict[str, Any] = {"released_at": now, "job": None}
+        if delivery is not None and completes(state, delivery):
+            values.update(
+                completed_digest=delivery.digest,
+                completed_retries=delivery.retries,
+                completed_at=now,
+            )
+        Lease._default_manager.using(self.alias).filter(pk=lease_id).update(**values)
+        self._event(
+            lease_id, "released", token, task_id, owner, now, released_detail(state, delivery)
+        )
+
     def force_release(
-        self, key: str, by: str, task_id: str | None = None
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
     ) -> tuple[int, str] | None:
-        """End the key's grant (only if it belongs to ``task_id``, when given)."""
+        """End the key's grant (only if it is ``task_id``'s, or ``token``, when given)."""
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
             rows = manager.select_for_update().filter(key=key, released_at__isnull=True)
             if task_id is not None:
                 rows = rows.filter(task_id=task_id)
+            if token is not None:
+                rows = rows.filter(token=token)
             row = rows.first()
             if row is None:
                 return None
@@ -339,20 +366,39 @@ class Dialect:
         )
 
     # -- completed duplicates ----------------------------------------------------------
-    def completed(self, task_id: str, retries: int) -> bool:
-        """Whether ``task_id`` completed in a delivery retried at least ``retries`` times.
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        """Whether ``delivery``'s job completed within the last ``window`` seconds.
 
-        Completed: released as SUCCESS or FAILURE under its lease. A delivery whose
-        ``retries`` is above the completed one's is a retry sent before that execution
-        ended (it asked to be retried, then failed): it is not a duplicate. Reaches back
-        as far as ``released`` events are kept (``prune``).
+        Completed: released as SUCCESS or FAILURE under its lease, by a delivery of the
+        same task id and message (``digest``) retried at least as often. A delivery
+        whose ``retries`` is above the completed one's is a retry the body asked for
+        before that execution ended: it is not a duplicate. Read from the lease row's
+        marker (the key's last completed job) and from the ``released`` events (jobs
+        completed under the key before another job used it), as far back as ``prune``
+        keeps them.
         """
+        since = self.now() - dt.timedelta(seconds=window)
+        if (
+            Lease._default_manager.using(self.alias)
+            .filter(
+                key=key,
+                completed_digest=delivery.digest,
+                completed_retries__gte=delivery.retries,
+                completed_at__gt=since,
+            )
+            .exists()
+        ):
+            return True
         return (
             LeaseEvent._default_manager.using(self.alias)
             .filter(
-                task_id=task_id, kind=LeaseEvent.Kind.RELEASED, detail__state__in=COMPLETED_STATES
+                task_id=delivery.task_id,
+                kind=LeaseEvent.Kind.RELEASED,
+                detail__state__in=COMPLETED_STATES,
+                detail__retries__gte=delivery.retries,
+                detail__digest=delivery.digest,
+                at__gt=since,
             )
-            .filter(Q(detail__retries__gte=retries) | Q(detail__retries__isnull=True))
             .exists()
         )
 
@@ -367,11 +413,12 @@ class Dialect:
         return lease_id is not None, current
 
     def _lock_if_current(
-        self, key: str, token: int, now: dt.datetime
+        self, key: str, token: int, now: dt.datetime, *, expired_ok: bool = False
     ) -> tuple[int | None, int | None]:
         """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
 
-        Returns ``(lease id or None, the key's current token or None)``.
+        With ``expired_ok`` an expired grant with no successor counts too. Returns
+        ``(lease id or None, the key's current token or None)``.
         """
         row = (
             Lease._default_manager.using(self.alias)
@@ -383,7 +430,7 @@ class Dialect:
         if row is None:
             return None, None
         lease_id, current, released_at, expires_at = row
-        is_current = current == token and released_at is None and expires_at > now
+        is_current = current == token and released_at is None and (expired_ok or expires_at > now)
         return (lease_id if is_current else None), current
 
     def release_current(
@@ -393,27 +440,54 @@ class Dialect:
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> tuple[bool, int | None]:
         """Prove ``token`` current and end its grant, in one step; ``(ok, current_token)``.
 
-        The rule of :meth:`prove_current` (the key's token, not released, not expired by
-        the database's clock). When it holds, the grant is released and its ``released``
-        event recorded, and the lease row stays locked until the caller's transaction
-        ends: a write that fails after it rolls the release back too. Must run inside a
-        transaction. The result write of a final state opens with it.
+        The key's token, not released — a grant that expired with no successor is still
+        this execution's (nobody holds a newer token). When it holds, the grant is
+        released and its ``released`` event recorded, and the lease row stays locked
+        until the caller's transaction ends: a write that fails after it rolls the
+        release back too. Must run inside a transaction. The result write of a final
+        state opens with it, and it takes ``task_id``'s result lock (:meth:`lock_for_result`).
         """
         now = self.now()
-        lease_id, current = self._lock_if_current(key, token, now)
+        lease_id, current = self._lock_if_current(key, token, now, expired_ok=True)
         if lease_id is None:
             return False, current
-        Lease._default_manager.using(self.alias).filter(pk=lease_id).update(
-            released_at=now, job=None
-        )
-        self._event(
-            lease_id, "released", token, task_id, owner, now, released_detail(state, retries)
-        )
+        self._end(lease_id, token, task_id, owner, now, state, delivery)
+        self.lock_for_result(task_id)
         return True, current
+
+    def task_grants(self, task_id: str) -> list[tuple[str, int, str]]:
+        """``(key, token, owner)`` of every unreleased grant held for ``task_id``."""
+        return list(
+            Lease._default_manager.using(self.alias)
+            .filter(task_id=task_id, released_at__isnull=True)
+            .values_list("key", "token", "owner")
+        )
+
+    def expired_unclaimed(self, key: str, token: int) -> bool:
+        """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
+        return (
+            Lease._default_manager.using(self.alias)
+            .filter(key=key, token=token, released_at__isnull=True, expires_at__lte=self.now())
+            .exists()
+        )
+
+    def lock_for_result(self, task_id: str) -> None:
+        """Serialize the result writes of ``task_id`` until the transaction ends.
+
+        The fenced write takes it after proving its token; an untokened write takes it
+        before deciding whether it may write, so the decision and the write are atomic.
+        Here: the result row's lock, where the database has row locks.
+        """
+        list(
+            TaskResult._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(task_id=task_id)
+            .values_list("pk", flat=True)
+        )
 
     def record_event(
         self,

@@ -10,6 +10,7 @@ from celery_fenced.dialects.records import (
     TOO_MANY,
     Claim,
     Completed,
+    Delivery,
     Grant,
     Holder,
     aware,
@@ -17,6 +18,11 @@ from celery_fenced.dialects.records import (
     released_detail,
 )
 from celery_fenced.dialects.sql import SQLDialect
+
+
+def result_lock(task_id: str) -> str:
+    """The name of ``task_id``'s advisory result lock."""
+    return f"celery_fenced.result:{task_id}"
 
 
 class PostgreSQL(SQLDialect):
@@ -83,10 +89,11 @@ class PostgreSQL(SQLDialect):
         task_id: str,
         task_name: str,
         job: str | None = None,
-        retries: int | None = None,
+        delivery: Delivery | None = None,
+        window: float = 0.0,
     ) -> Grant | Holder | Completed:
         unless_completed, params = self._grant_params(
-            key, ttl, owner, task_id, task_name, job, retries
+            key, ttl, owner, task_id, task_name, job, delivery, window
         )
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
         rows = self._fetch(
@@ -106,8 +113,8 @@ class PostgreSQL(SQLDialect):
             lease_id, token, expires_at, reclaimed_from = rows[0]
             return Grant(lease_id, token, aware(expires_at), reclaimed_from)
         # not granted (rare): a completed duplicate, or the key is held
-        if unless_completed and retries is not None and self.completed(task_id, retries):
-            return Completed(task_id, retries)
+        if delivery is not None and unless_completed and self.completed(key, delivery, window):
+            return Completed(task_id, delivery.retries)
         rows = self._fetch(
             f"""WITH holder AS ({self._busy_select()}),
                 ev AS (
@@ -127,11 +134,14 @@ class PostgreSQL(SQLDialect):
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
+        marker = self._completion_params(state, delivery)
+        completion = self._completion_sql() if marker else ""
         rows = self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                        {completion}
                     WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
                     RETURNING id, token),
                 ev AS (
@@ -139,18 +149,27 @@ class PostgreSQL(SQLDialect):
                     SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
                     FROM r)
                 SELECT token FROM r""",
-            [key, token, owner, task_id, owner, json.dumps(released_detail(state, retries))],
+            [
+                *marker,
+                key,
+                token,
+                owner,
+                task_id,
+                owner,
+                json.dumps(released_detail(state, delivery)),
+            ],
         )
         return bool(rows)
 
     def force_release(
-        self, key: str, by: str, task_id: str | None = None
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
     ) -> tuple[int, str] | None:
         only_task = "" if task_id is None else "AND task_id = %s"
+        only_token = "" if token is None else "AND token = %s"
         rows = self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
-                    WHERE key = %s AND released_at IS NULL {only_task}
+                    WHERE key = %s AND released_at IS NULL {only_task} {only_token}
                     RETURNING id, token, owner, task_id),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
@@ -158,9 +177,20 @@ class PostgreSQL(SQLDialect):
                            jsonb_build_object('by', %s::text)
                     FROM r)
                 SELECT token, owner FROM r""",
-            [key, *([] if task_id is None else [task_id]), by],
+            [
+                key,
+                *([] if task_id is None else [task_id]),
+                *([] if token is None else [token]),
+                by,
+            ],
         )
         return (rows[0][0], rows[0][1]) if rows else None
+
+    def lock_for_result(self, task_id: str) -> None:
+        """A transaction-scoped advisory lock on the task id (the row may not exist yet)."""
+        self._fetch(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [result_lock(task_id)]
+        )
 
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
         rows = self._fetch(
@@ -180,21 +210,38 @@ class PostgreSQL(SQLDialect):
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> tuple[bool, int | None]:
-        """One conditional ``UPDATE`` (it locks the row) with its event: proof and release."""
+        """One conditional ``UPDATE`` (it locks the row) with its event: proof and release.
+
+        A grant that expired with no successor (still the key's token, never released)
+        is still this execution's: nobody holds a newer token, and the row lock keeps it
+        so until the result commits. The same statement takes ``task_id``'s result lock
+        (see :meth:`lock_for_result`).
+        """
+        marker = self._completion_params(state, delivery)
+        completion = self._completion_sql() if marker else ""
         rows = self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
+                        {completion}
                     WHERE key = %s AND token = %s AND released_at IS NULL
-                      AND expires_at > statement_timestamp()
                     RETURNING id, token),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r)
-                SELECT token FROM r""",
-            [key, token, task_id, owner, json.dumps(released_detail(state, retries))],
+                    FROM r),
+                lk AS (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)) FROM r)
+                SELECT r.token FROM r, lk""",
+            [
+                *marker,
+                key,
+                token,
+                task_id,
+                owner,
+                json.dumps(released_detail(state, delivery)),
+                result_lock(task_id),
+            ],
         )
         if rows:
             return True, token

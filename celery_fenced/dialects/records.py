@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.utils.dateparse import parse_datetime
+from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
 
 LEASE = Lease._meta.db_table
 EVENT = LeaseEvent._meta.db_table
+RESULT = TaskResult._meta.db_table
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,25 @@ class Completed:
     retries: int
 
 
-#: the states of a ``released`` event that mark its task id completed (and as SQL)
+@dataclass(frozen=True)
+class Delivery:
+    """What tells one job's deliveries apart from another job's: the completed-duplicate check.
+
+    ``digest`` hashes the task id with the message (task name and arguments), so a task id
+    reused for a new job with other arguments is not a duplicate; ``retries`` is the
+    delivery's retry count as the body sees it (re-sends of the package's own — busy,
+    lost grant, database error — keep it), so a retry the body asked for before its
+    execution ended still runs.
+    """
+
+    task_id: str
+    digest: str
+    retries: int
+
+
+#: the states of a release that mark its job completed (and as SQL)
 COMPLETED_STATES = ("SUCCESS", "FAILURE")
 COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE')"
-#: the retry count assumed for a ``released`` event recorded without one (before it was
-#: recorded): any delivery of that task id counts as a duplicate, as it did then
-UNRECORDED_RETRIES = 2147483647
 
 
 @dataclass(frozen=True)
@@ -95,16 +110,22 @@ def abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
     }
 
 
-def released_detail(state: str, retries: int | None = None) -> dict[str, Any]:
-    """The detail of a ``released`` event: the final state and the delivery's retry count.
+def released_detail(state: str, delivery: Delivery | None = None) -> dict[str, Any]:
+    """The detail of a ``released`` event: the final state and the delivery it ended.
 
-    ``retries`` (``request.retries`` of the execution) is what the completed-duplicate
-    check compares a later delivery of the same task id with.
+    The delivery's ``retries`` and ``digest`` are what the completed-duplicate check
+    compares a later delivery of the same task id with.
     """
     detail: dict[str, Any] = {"state": state} if state else {}
-    if retries is not None:
-        detail["retries"] = retries
+    if delivery is not None:
+        detail["retries"] = delivery.retries
+        detail["digest"] = delivery.digest
     return detail
+
+
+def completes(state: str, delivery: Delivery | None) -> bool:
+    """Whether a release in ``state`` marks ``delivery``'s job completed."""
+    return delivery is not None and state in COMPLETED_STATES
 
 
 def holder_of(rows: Sequence[Sequence[Any]]) -> Holder:

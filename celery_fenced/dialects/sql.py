@@ -12,9 +12,10 @@ from celery_fenced.dialects.records import (
     COMPLETED_STATES_SQL,
     EVENT,
     LEASE,
-    UNRECORDED_RETRIES,
+    Delivery,
     Renewal,
     aware,
+    completes,
 )
 
 
@@ -39,22 +40,29 @@ class SQLDialect(Dialect):
         """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
 
         Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
-        then the task id and the delivery's retries: no row is proposed (so none is
-        granted) when :meth:`completed` holds, in the same statement.
+        then those of :meth:`_completed_sql` and of :meth:`_marked_sql`: nothing is
+        granted when the delivery's job already completed. The lease row's completion
+        marker is tested in the conflict clause, which PostgreSQL evaluates on the row's
+        latest version under its lock: a completion committing while this statement
+        waits for the row is seen (a subquery would read the statement's snapshot).
         """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
         same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
-        values = f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL"
+        values = (
+            f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL, ''"
+        )
         proposed = (
             f"SELECT {values} WHERE NOT EXISTS ({self._completed_sql()})"
             if unless_completed
             else f"VALUES ({values})"
         )
+        unmarked = f"AND NOT {self._marked_sql('l')}" if unless_completed else ""
         return f"""
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
                                       renewed_at, expires_at, released_at, reclaimed_from,
-                                      job, reclaim_attempts, reclaim_state, reclaim_claimed_at)
+                                      job, reclaim_attempts, reclaim_state, reclaim_claimed_at,
+                                      completed_digest)
             {proposed}
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
@@ -66,16 +74,41 @@ class SQLDialect(Dialect):
                 reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
                 reclaim_state = '',
                 reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
-            WHERE l.released_at IS NOT NULL OR l.expires_at <= {now}
+            WHERE (l.released_at IS NOT NULL OR l.expires_at <= {now}) {unmarked}
             RETURNING id, token, expires_at, reclaimed_from"""
 
     def _completed_sql(self) -> str:
-        """The ``released`` events that make task id ``%s`` at retries ``%s`` a duplicate."""
+        """The ``released`` events that make a delivery a completed duplicate.
+
+        Parameters: task id, retries, digest, window (seconds). Reaches back to jobs
+        completed under this key before another job used it since.
+        """
         return f"""SELECT 1 FROM {EVENT} e
                    WHERE e.task_id = %s AND e.kind = 'released'
                      AND {self.json_text("e.detail", "state")} IN {COMPLETED_STATES_SQL}
-                     AND COALESCE({self.json_int("e.detail", "retries")},
-                                  {UNRECORDED_RETRIES}) >= %s"""
+                     AND {self.json_int("e.detail", "retries")} >= %s
+                     AND {self.json_text("e.detail", "digest")} = %s
+                     AND e.at > {self.ago("%s")}"""
+
+    def _marked_sql(self, alias: str) -> str:
+        """The lease row's completion marker names the delivery's job.
+
+        Parameters: digest, retries, window (seconds).
+        """
+        return f"""({alias}.completed_digest = %s AND {alias}.completed_retries >= %s
+                    AND {alias}.completed_at > {self.ago("%s")})"""
+
+    def _completed_params(self, delivery: Delivery, window: float) -> list[Any]:
+        return [
+            delivery.task_id,
+            delivery.retries,
+            delivery.digest,
+            self.ttl_param(window),
+            *self._marked_params(delivery, window),
+        ]
+
+    def _marked_params(self, delivery: Delivery, window: float) -> list[Any]:
+        return [delivery.digest, delivery.retries, self.ttl_param(window)]
 
     def json_text(self, column: str, name: str) -> str:
         raise NotImplementedError
@@ -83,8 +116,17 @@ class SQLDialect(Dialect):
     def json_int(self, column: str, name: str) -> str:
         raise NotImplementedError
 
-    def completed(self, task_id: str, retries: int) -> bool:
-        return bool(self._fetch(self._completed_sql(), [task_id, retries]))
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        rows = self._fetch(
+            f"""SELECT 1 FROM {LEASE} l WHERE l.key = %s AND {self._marked_sql("l")}
+                UNION ALL {self._completed_sql()}""",
+            [
+                key,
+                *self._marked_params(delivery, window),
+                *self._completed_params(delivery, window)[:4],
+            ],
+        )
+        return bool(rows)
 
     def _grant_params(
         self,
@@ -94,14 +136,26 @@ class SQLDialect(Dialect):
         task_id: str,
         task_name: str,
         job: str | None,
-        retries: int | None,
+        delivery: Delivery | None,
+        window: float,
     ) -> tuple[bool, list[Any]]:
         """Whether the grant checks for a completed duplicate, and its parameters."""
         params = [key, owner, task_id, task_name, self.ttl_param(ttl), job]
-        unless_completed = bool(task_id) and retries is not None
-        if unless_completed:
-            params += [task_id, retries]
+        unless_completed = delivery is not None and bool(delivery.task_id)
+        if delivery is not None and unless_completed:
+            params += self._completed_params(delivery, window)
         return unless_completed, params
+
+    def _completion_sql(self) -> str:
+        """The ``SET`` fragment a completing release adds: the lease row's marker."""
+        return f", completed_digest = %s, completed_retries = %s, completed_at = {self.NOW}"
+
+    @staticmethod
+    def _completion_params(state: str, delivery: Delivery | None) -> list[Any]:
+        """The marker's parameters, or none when the release does not complete a job."""
+        if delivery is None or not completes(state, delivery):
+            return []
+        return [delivery.digest, delivery.retries]
 
     def _busy_select(self) -> str:
         return f"""

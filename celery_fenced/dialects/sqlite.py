@@ -10,8 +10,10 @@ from django.db import transaction
 from celery_fenced.dialects.records import (
     EVENT,
     LEASE,
+    RESULT,
     Claim,
     Completed,
+    Delivery,
     Grant,
     Holder,
     abandoned_detail,
@@ -80,10 +82,11 @@ class SQLite(SQLDialect):
         task_id: str,
         task_name: str,
         job: str | None = None,
-        retries: int | None = None,
+        delivery: Delivery | None = None,
+        window: float = 0.0,
     ) -> Grant | Holder | Completed:
         unless_completed, params = self._grant_params(
-            key, ttl, owner, task_id, task_name, job, retries
+            key, ttl, owner, task_id, task_name, job, delivery, window
         )
         with transaction.atomic(using=self.alias):
             grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
@@ -97,8 +100,8 @@ class SQLite(SQLDialect):
                     kind, detail = "acquired", {}
                 self._insert_event(lease_id, kind, token, task_id, owner, detail)
                 return Grant(lease_id, token, aware(expires_at), reclaimed_from)
-            if unless_completed and retries is not None and self.completed(task_id, retries):
-                return Completed(task_id, retries)
+            if delivery is not None and unless_completed and self.completed(key, delivery, window):
+                return Completed(task_id, delivery.retries)
             rows = self._fetch(self._busy_select(), [key])
             if rows:
                 self._insert_event(
@@ -128,36 +131,49 @@ class SQLite(SQLDialect):
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> bool:
+        marker = self._completion_params(state, delivery)
+        completion = self._completion_sql() if marker else ""
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
-                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL {completion}
                     WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
                     RETURNING id""",
-                [key, token, owner],
+                [*marker, key, token, owner],
             )
             if rows:
-                detail = released_detail(state, retries)
+                detail = released_detail(state, delivery)
                 self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
             return bool(rows)
 
     def force_release(
-        self, key: str, by: str, task_id: str | None = None
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
     ) -> tuple[int, str] | None:
         only_task = "" if task_id is None else "AND task_id = %s"
+        only_token = "" if token is None else "AND token = %s"
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
                 f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
-                    WHERE key = %s AND released_at IS NULL {only_task}
+                    WHERE key = %s AND released_at IS NULL {only_task} {only_token}
                     RETURNING id, token, owner, task_id""",
-                [key, *([] if task_id is None else [task_id])],
+                [
+                    key,
+                    *([] if task_id is None else [task_id]),
+                    *([] if token is None else [token]),
+                ],
             )
             if not rows:
                 return None
             lease_id, token, owner, task_id = rows[0]
             self._insert_event(lease_id, "force_released", token, task_id, owner, {"by": by})
             return token, owner
+
+    def lock_for_result(self, task_id: str) -> None:
+        """SQLite's write lock, taken by a write that changes nothing."""
+        self._fetch(
+            f"UPDATE {RESULT} SET task_id = task_id WHERE task_id = %s RETURNING 1", [task_id]
+        )
 
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
         # A conditional no-op write takes SQLite's write lock for the rest of the
@@ -180,18 +196,23 @@ class SQLite(SQLDialect):
         owner: str,
         task_id: str,
         state: str = "",
-        retries: int | None = None,
+        delivery: Delivery | None = None,
     ) -> tuple[bool, int | None]:
-        """One conditional ``UPDATE`` (it takes the write lock), then its event."""
+        """One conditional ``UPDATE`` (it takes the write lock), then its event.
+
+        As on PostgreSQL, a grant that expired with no successor is still accepted. The
+        update takes SQLite's write lock, which is also ``task_id``'s result lock.
+        """
+        marker = self._completion_params(state, delivery)
+        completion = self._completion_sql() if marker else ""
         rows = self._fetch(
-            f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
+            f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL {completion}
                 WHERE key = %s AND token = %s AND released_at IS NULL
-                  AND expires_at > {self.NOW}
                 RETURNING id""",
-            [key, token],
+            [*marker, key, token],
         )
         if not rows:
             return False, self._current_token(key)
-        detail = released_detail(state, retries)
+        detail = released_detail(state, delivery)
         self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
         return True, token

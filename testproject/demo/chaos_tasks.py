@@ -1,6 +1,7 @@
-"""Tasks of the chaos runner (``python -m tests.chaos``): each job applies one fenced effect.
+"""Tasks of the chaos runner (``python -m tests.chaos``).
 
-Loaded by the chaos workers with ``--include testproject.demo.chaos_tasks``. Two ways in:
+Loaded by the chaos workers with ``--include testproject.demo.chaos_tasks``. The single-task
+jobs apply one fenced effect each; two ways in:
 
 - ``chaos.guarded``: a :class:`~celery_fenced.FencedTask` keyed ``chaos:{job}``; its effect
   is a :class:`~testproject.demo.models.ChaosEntry` row written inside ``self.lease.guard()``.
@@ -15,20 +16,34 @@ gives at most one valid token at a time, not at-most-once execution, so a job th
 paused worker finished just before its lease expired is run again by the next holder,
 which must find the effect applied and not apply it twice. A stale holder's write is refused by
 the guard (``StaleToken``) before it reaches the table; the table itself enforces nothing.
+
+The jobs at Celery's seams (chains, chords, ``link``/``link_error`` callbacks, time limits,
+``track_started``, ``expires``, two jobs on one key: ``tests/chaos_workload.py``) run
+``chaos.step`` and friends, which leave their evidence in an append-only trace table,
+``demo_chaos_trace`` (created by :func:`create_trace_table`, raw SQL: it is the chaos runner's,
+not the demo app's): a ``run`` row each time a body starts (task id, job, step, the fencing
+token, the value received) and a ``sent`` row each time an execution publishes a message
+(a chain step, a callback, an errback, a chord body, a retry), naming the sending execution
+and its token.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from celery import shared_task
-from django.db import InterfaceError, OperationalError, transaction
+from celery import shared_task, signature
+from celery._state import get_current_task
+from celery.signals import after_task_publish
+from django.db import InterfaceError, OperationalError, connections, transaction
 from django.db.models import Exists, F, Subquery
 from django.db.models.functions import Now
 
-from celery_fenced import FencedTask, current_lease, fenced_update
+from celery_fenced import FencedTask, current_lease, fenced_update, force_release
 from celery_fenced.models import LeaseEvent
 from celery_fenced.store import HeldLease
 from testproject.demo.models import ChaosEntry, ChaosSlot
@@ -160,3 +175,249 @@ def retry_then_fail(self: Any, job: str) -> dict[str, Any]:
     with lease.guard():
         _append(job, lease, "guard", self.request.id or "")
     return _outcome(job, lease, True)
+
+
+# -- the seams: chains, chords, callbacks, time limits, expires, one key for two jobs ------
+TRACE = "demo_chaos_trace"
+#: how long a ``sent`` row waits for the database (a PostgreSQL restart) before giving up
+SENT_PATIENCE = 60.0
+#: set by the chaos runner, which creates the table (other tests load these tasks too)
+TRACING = os.environ.get("FENCED_CHAOS_TRACE") == "1"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A row of the trace table: a body run, or a message sent by an execution.
+
+    ``run``: ``task_id`` is the execution's task id, ``parent_id`` its request's parent,
+    ``token`` its fencing token (None for a plain task), ``value`` what it received.
+    ``sent``: ``task_id`` is the message's id and ``name`` its task, ``parent_id`` the
+    sending execution's task id and ``token`` that execution's token, ``value`` the
+    message's first argument, ``retries`` the message's retry count.
+    """
+
+    id: int
+    kind: str
+    name: str
+    job: str
+    step: int
+    task_id: str
+    parent_id: str
+    token: int | None
+    owner: str
+    worker: str
+    retries: int
+    value: Any
+    written_at: Any
+
+
+def create_trace_table(using: str = "default") -> None:
+    """Create the trace table (PostgreSQL for the runner; SQLite too, for the checker's tests)."""
+    connection = connections[using]
+    if connection.vendor == "postgresql":
+        ident, stamp = "BIGSERIAL PRIMARY KEY", "TIMESTAMPTZ DEFAULT statement_timestamp()"
+    else:
+        ident, stamp = "INTEGER PRIMARY KEY AUTOINCREMENT", "TEXT DEFAULT CURRENT_TIMESTAMP"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"CREATE TABLE IF NOT EXISTS {TRACE} (id {ident}, kind VARCHAR(10) NOT NULL, "
+            "name VARCHAR(100) NOT NULL, job VARCHAR(100) NOT NULL, step INTEGER NOT NULL, "
+            "task_id VARCHAR(255) NOT NULL, parent_id VARCHAR(255) NOT NULL, token BIGINT, "
+            "owner VARCHAR(255) NOT NULL, worker VARCHAR(255) NOT NULL, "
+            f"retries INTEGER NOT NULL, value TEXT NOT NULL, written_at {stamp})"
+        )
+
+
+def record(trace: Trace, using: str = "default") -> None:
+    """Append ``trace`` (its ``id`` and ``written_at`` are the database's)."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {TRACE} (kind, name, job, step, task_id, parent_id, token, owner, "
+            "worker, retries, value) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            [
+                trace.kind,
+                trace.name,
+                trace.job,
+                trace.step,
+                trace.task_id,
+                trace.parent_id,
+                trace.token,
+                trace.owner,
+                trace.worker,
+                trace.retries,
+                json.dumps(trace.value, sort_keys=True),
+            ],
+        )
+
+
+def read_trace(using: str = "default") -> list[Trace]:
+    with connections[using].cursor() as cursor:
+        cursor.execute(
+            "SELECT id, kind, name, job, step, task_id, parent_id, token, owner, worker, "
+            f"retries, value, written_at FROM {TRACE} ORDER BY id"
+        )
+        rows = cursor.fetchall()
+    return [Trace(*row[:11], json.loads(row[11]), row[12]) for row in rows]
+
+
+def _trace_run(task: Any, job: str, step: int, value: Any) -> None:
+    """The body's first act: a ``run`` row (a database error here retries the task)."""
+    request = task.request
+    lease = current_lease()
+    record(
+        Trace(
+            0,
+            "run",
+            task.name,
+            job,
+            step,
+            request.id or "",
+            request.parent_id or "",
+            lease.token if lease is not None else None,
+            lease.owner if lease is not None else "",
+            _worker(),
+            int(request.retries or 0),
+            value,
+            None,
+        )
+    )
+
+
+@after_task_publish.connect(weak=False, dispatch_uid="chaos.trace_sent")
+def _trace_sent(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
+    """A ``sent`` row for every message a chaos execution publishes, naming its token.
+
+    Runs in the sending thread right after the publish, while the tracer still has the
+    sending task current (chain steps and ``link`` callbacks go out after the body, errbacks
+    and chord bodies while its result is stored). Waits out a database restart.
+    """
+    task = get_current_task()
+    if not TRACING or task is None or not str(getattr(task, "name", "")).startswith("chaos."):
+        return
+    request = task.request
+    if not request.id or not headers:
+        return
+    args = body[0] if isinstance(body, (list, tuple)) and body else []
+    lease = getattr(request, "_fenced_lease", None)
+    trace = Trace(
+        0,
+        "sent",
+        str(headers.get("task", sender)),
+        "",
+        0,
+        str(headers.get("id", "")),
+        request.id,
+        getattr(request, "fencing_token", None),
+        lease.owner if lease is not None else "",
+        _worker(),
+        int(headers.get("retries") or 0),
+        args[0] if args else None,
+        None,
+    )
+    deadline = time.monotonic() + SENT_PATIENCE
+    while True:
+        try:
+            with transaction.atomic():  # a savepoint inside the chord counter's transaction
+                record(trace)
+            return
+        except (OperationalError, InterfaceError):
+            if connections["default"].in_atomic_block or time.monotonic() > deadline:
+                raise
+            with contextlib.suppress(Exception):
+                connections["default"].close()
+            time.sleep(0.5)
+
+
+def _returned(task: Any, job: str, step: int) -> dict[str, Any]:
+    """What a step returns: who it was, so a successor can tell which execution sent it."""
+    lease = current_lease()
+    return {
+        "job": job,
+        "step": step,
+        "task_id": task.request.id,
+        "token": lease.token if lease is not None else None,
+    }
+
+
+def _sabotage(task: Any, value: dict[str, Any]) -> None:
+    """``--sabotage``: drive what a stale or finished execution must not, for the checker.
+
+    A chain step sends its successor a second time, a ``link`` parent sends its errback
+    although it succeeds, a chord header sends the body early, and a step of a time-limit
+    or ``expires`` job ends its own grant as a worker's revoke would, then goes on.
+    """
+    request = task.request
+    if request.chain:
+        signature(request.chain[-1], app=task.app).apply_async((value,))
+    if request.errbacks:
+        signature(request.errbacks[0], app=task.app).apply_async((request.id,))
+    if request.chord:
+        signature(request.chord, app=task.app).apply_async(([value],))
+    if str(value["job"]).endswith(("-limit", "-expires")) and task.lease is not None:
+        force_release(task.lease.key, by="worker:revoked")
+
+
+def _step(task: Any, value: Any, job: str, step: int, seconds: float, fail: bool) -> Any:
+    _trace_run(task, job, step, value)
+    _work(seconds)
+    if fail:
+        raise ValueError(f"{job} step {step} fails on purpose (its errback must fire)")
+    returned = _returned(task, job, step)
+    if SABOTAGE:
+        _sabotage(task, returned)
+    return returned
+
+
+FENCED_STEP: dict[str, Any] = {
+    "bind": True,
+    "base": FencedTask,
+    "lease_ttl": TTL,
+    "lease_reclaim": True,
+    **RETRY,
+}
+
+
+#: plain tasks acknowledge late too: a worker killed while running one loses no message
+PLAIN: dict[str, Any] = {"bind": True, "acks_late": True, "reject_on_worker_lost": True, **RETRY}
+
+
+@shared_task(name="chaos.step", lease_key="step:{job}:{step}", **FENCED_STEP)
+def step(
+    self: Any, value: Any, job: str, step: int, seconds: float = 0.0, fail: bool = False
+) -> Any:
+    """A fenced step: a chain link, a chord header, a ``link`` parent, a time-limit job."""
+    return _step(self, value, job, step, seconds, fail)
+
+
+@shared_task(
+    name="chaos.tracked_step", lease_key="tracked:{job}:{step}", track_started=True, **FENCED_STEP
+)
+def tracked_step(
+    self: Any, value: Any, job: str, step: int, seconds: float = 0.0, fail: bool = False
+) -> Any:
+    """``chaos.step`` with ``track_started=True`` (a STARTED state written before the grant)."""
+    return _step(self, value, job, step, seconds, fail)
+
+
+@shared_task(name="chaos.fenced_body", lease_key="body:{job}", **FENCED_STEP)
+def fenced_body(self: Any, results: Any, job: str) -> Any:
+    """A fenced chord body: receives the header's results."""
+    return _step(self, results, job, 99, 0.0, False)
+
+
+@shared_task(name="chaos.body", **PLAIN)
+def body(self: Any, results: Any, job: str) -> Any:
+    """A plain chord body."""
+    return _step(self, results, job, 99, 0.0, False)
+
+
+@shared_task(name="chaos.callback", **PLAIN)
+def callback(self: Any, value: Any, job: str) -> Any:
+    """A plain ``link`` callback: receives the parent's return value."""
+    return _step(self, value, job, 100, 0.0, False)
+
+
+@shared_task(name="chaos.errback", **PLAIN)
+def errback(self: Any, task_id: str, *, job: str = "") -> Any:
+    """A plain ``link_error`` callback, called the old way (one positional: the task id)."""
+    return _step(self, task_id, job, 101, 0.0, False)

@@ -1,0 +1,457 @@
+"""The chaos runner's jobs, and the invariants of the jobs at Celery's seams.
+
+Besides single fenced tasks (``chaos.guarded``/``chaos.configured``, checked in
+``tests/chaos.py``), the runner mixes in jobs where Celery itself sends messages on a task's
+behalf: chains, chords, ``link``/``link_error`` callbacks; and jobs that exercise the
+worker's own writes: soft and hard time limits, ``track_started``, ``expires``, and two
+jobs competing for one lease key. Their tasks (``testproject/demo/chaos_tasks.py``) leave a
+trace: a ``run`` row when a body starts (its token and the value it received) and a
+``sent`` row for every message an execution publishes (its token). :func:`check_seams`
+reads that trace, the stored results and the lease events:
+
+a. ``successor``: each chain successor and ``link`` callback is sent once, by the execution
+   whose result is stored, and runs only with that stored value; none when the parent did
+   not succeed.
+b. ``chord-body``: each chord body is sent once, by a header's current execution, and runs
+   only with the headers' stored results.
+c. ``ended-by-other``: no grant is force-released while its holder still runs (the holder
+   has a refused write or a ``lost`` event under that token after the ``force_released``
+   event) unless the holder was stopped or killed, or the database restarted, between its
+   grant and the force-release (it may have been past its expiry).
+d. ``completed-rerun``: no body runs under a grant taken after its task id's final release
+   (a ``released`` event in state SUCCESS/FAILURE), unless the completed execution itself
+   sent the retry that ran.
+e. ``errback``: each errback is sent once, by the current execution of a parent whose
+   stored state is FAILURE; none for any other parent.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+TASKS = ("chaos.guarded", "chaos.configured")
+GRANTS = ("acquired", "reclaimed")
+FINAL = ("SUCCESS", "FAILURE", "REVOKED")
+#: job kinds and their weights in the mix
+KINDS: dict[str, float] = {
+    "single": 30,
+    "chain": 14,
+    "chord": 12,
+    "link": 12,
+    "limit": 8,
+    "tracked": 6,
+    "expires": 8,
+    "compete": 10,
+}
+#: the states a kind's tasks may end in (anything else is a failed job)
+ACCEPTED: dict[str, tuple[str, ...]] = {
+    "limit": ("SUCCESS", "FAILURE"),  # over the soft or hard limit (prefork only)
+    "expires": ("SUCCESS", "REVOKED"),  # delivered after its expiry: revoked
+}
+#: the new invariants: violation kind -> summary row
+SEAMS = {
+    "successor": "chain steps / link callbacks not sent once by the current execution (a)",
+    "chord-body": "chord bodies not fired exactly once (b)",
+    "ended-by-other": "grants ended by another delivery (c)",
+    "completed-rerun": "bodies run again after their task completed (d)",
+    "errback": "errbacks not fired once for a FAILURE (e)",
+}
+
+
+@dataclass
+class Job:
+    name: str
+    task: str
+    task_id: str
+    seconds: float
+    sent_at: dt.datetime | None = None  # local wall clock
+    kind: str = "single"
+    #: role -> task id: "task"; chain "s0".."s2"; chord "h0".."h2", "body"; link "parent",
+    #: "link", "errback"; compete "a", "b"
+    ids: dict[str, str] = field(default_factory=dict)
+    fail: bool = False  # a link parent that raises, so its errback must fire
+
+
+# -- sending -----------------------------------------------------------------------------
+class Sender:
+    """Sends the jobs of one run to ``queue``, each kind with its Celery primitive."""
+
+    def __init__(self, app: Any, queue: str, rng: random.Random, ttl: float, work: Any) -> None:
+        self.app = app
+        self.queue = queue
+        self.rng = rng
+        self.ttl = ttl
+        self.work = work
+
+    def sig(self, task: str, args: Any = (), kwargs: Any = None, **options: Any) -> Any:
+        return self.app.signature(
+            task, args=args, kwargs=kwargs or {}, queue=self.queue, **options
+        )
+
+    def seconds(self, scale: float = 1.0) -> float:
+        return round(self.rng.uniform(*self.work) * scale, 3)
+
+    def send(self, name: str) -> Job:
+        kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        sent_at = dt.datetime.now()
+        if kind == "single":
+            task, seconds = self.rng.choice(TASKS), self.seconds()
+            result = self.sig(task, (name,), {"seconds": seconds}).apply_async()
+            return Job(name, task, str(result.id), seconds, sent_at, ids={"task": result.id})
+        job = getattr(self, f"send_{kind}")(f"{name}-{kind}")
+        job.sent_at = sent_at
+        return job
+
+    def send_chain(self, name: str) -> Job:
+        from celery import chain
+
+        steps = [self.sig("chaos.step", (None, name, 0), {"seconds": self.seconds(0.5)})]
+        steps += [
+            self.sig("chaos.step", (name, n), {"seconds": self.seconds(0.5)}) for n in (1, 2)
+        ]
+        result = chain(*steps).apply_async()
+        ids = [result.parent.parent.id, result.parent.id, result.id]
+        return self._job(name, "chain", {f"s{n}": i for n, i in enumerate(ids)})
+
+    def send_chord(self, name: str) -> Job:
+        from celery import chord
+
+        header = [
+            self.sig("chaos.step", (None, name, n), {"seconds": self.seconds(0.5)})
+            for n in range(3)
+        ]
+        body = self.sig(self.rng.choice(["chaos.body", "chaos.fenced_body"]), (name,))
+        result = chord(header, body).apply_async()
+        ids = {f"h{n}": r.id for n, r in enumerate(result.parent.results)}
+        return self._job(name, "chord", {**ids, "body": result.id})
+
+    def send_link(self, name: str) -> Job:
+        fail = self.rng.random() < 0.4
+        link = self.sig("chaos.callback", (name,))
+        errback = self.sig("chaos.errback", (), {"job": name})
+        link.freeze()
+        errback.freeze()
+        parent = self.sig("chaos.step", (None, name, 0), {"seconds": self.seconds(), "fail": fail})
+        result = parent.apply_async(link=link, link_error=errback)
+        job = self._job(
+            name, "link", {"parent": result.id, "link": link.id, "errback": errback.id}
+        )
+        job.fail = fail
+        return job
+
+    def send_limit(self, name: str) -> Job:
+        limit = "time_limit" if self.rng.random() < 0.5 else "soft_time_limit"
+        seconds = self.rng.choice([0.2, 2.5, 2.5]) * self.ttl / 2  # under or (2 in 3) over it
+        options = {limit: self.ttl / 2}
+        result = self.sig("chaos.step", (None, name, 0), {"seconds": seconds}, **options)
+        return self._job(name, "limit", {"task": result.apply_async().id})
+
+    def send_tracked(self, name: str) -> Job:
+        result = self.sig("chaos.tracked_step", (None, name, 0), {"seconds": self.seconds()})
+        return self._job(name, "tracked", {"task": result.apply_async().id})
+
+    def send_expires(self, name: str) -> Job:
+        # expires when a paused delivery is redelivered (the visibility timeout is 2 ttl)
+        result = self.sig("chaos.step", (None, name, 0), {"seconds": self.seconds()})
+        return self._job(name, "expires", {"task": result.apply_async(expires=2 * self.ttl).id})
+
+    def send_compete(self, name: str) -> Job:
+        # one key (step:{job}:0) for two task ids: the second waits, retrying while busy
+        ids = {
+            role: self.sig("chaos.step", (None, name, 0), {"seconds": self.seconds()})
+            .apply_async()
+            .id
+            for role in ("a", "b")
+        }
+        return self._job(name, "compete", ids)
+
+    @staticmethod
+    def _job(name: str, kind: str, ids: dict[str, str]) -> Job:
+        first = next(iter(ids.values()))
+        return Job(name, f"chaos.{kind}", first, 0.0, kind=kind, ids=ids)
+
+
+def awaited(job: Job, status: dict[str, str]) -> list[str]:
+    """The task ids whose final state ends ``job`` (given the states known so far)."""
+    ids = job.ids or {"task": job.task_id}
+    if job.kind == "chain":
+        chain = [ids["s0"], ids["s1"], ids["s2"]]
+        for n, task_id in enumerate(chain):  # a step that has not succeeded sent no successor
+            if status.get(task_id) != "SUCCESS":
+                return chain[: n + 1]
+        return chain
+    if job.kind == "chord":  # the body once every header ended (else it is never sent)
+        headers = [ids["h0"], ids["h1"], ids["h2"]]
+        ended = all(status.get(h) in FINAL for h in headers)
+        return [*headers, ids["body"]] if ended else headers
+    if job.kind == "link":
+        after = {"SUCCESS": [ids["link"]], "FAILURE": [ids["errback"]]}
+        return [ids["parent"], *after.get(status.get(ids["parent"], ""), [])]
+    return list(ids.values())
+
+
+def sent_by_runner(job: Job) -> list[str]:
+    """The task ids the runner itself sent (the others are sent by workers, or never)."""
+    ids = job.ids or {"task": job.task_id}
+    roles = {"chain": ["s0"], "chord": ["h0", "h1", "h2"], "link": ["parent"]}.get(job.kind)
+    return list(ids.values()) if roles is None else [ids[role] for role in roles]
+
+
+def accepted(job: Job, status: str, result: str | None) -> bool:
+    """Whether a task of ``job`` may end in ``status`` (with ``result``, the stored JSON)."""
+    if job.kind == "link" and job.fail:
+        return status in ("SUCCESS", "FAILURE")  # the parent fails; its errback succeeds
+    if job.kind == "compete" and status == "FAILURE":
+        # R2: a job whose expired grant the other job took over fails with StaleToken
+        try:
+            return bool(json.loads(result or "{}").get("exc_type") == "StaleToken")
+        except (ValueError, AttributeError):
+            return False
+    return status in ACCEPTED.get(job.kind, ("SUCCESS",))
+
+
+# -- checking ----------------------------------------------------------------------------
+@dataclass
+class Stored:
+    """A task's stored result: its state, the token it was written under, its value."""
+
+    status: str
+    token: int | None
+    value: Any
+
+
+def stored_results(results: Iterable[Any]) -> dict[str, Stored]:
+    stored = {}
+    for row in results:
+        try:
+            meta = json.loads(row.meta or "{}")
+        except ValueError:
+            meta = {}
+        try:
+            value = json.loads(row.result) if row.result else None
+        except ValueError:
+            value = row.result
+        token = meta.get("fencing_token") if isinstance(meta, dict) else None
+        stored[row.task_id] = Stored(row.status, token, value)
+    return stored
+
+
+def completed_first(stored: dict[str, Stored], history: dict[str, list[Any]]) -> None:
+    """Make each fenced task's entry in ``stored`` its *first* completed execution.
+
+    That execution (the first ``released`` event in state SUCCESS or FAILURE for the task
+    id) is the one whose outcome drives the task's successors; a later run of a completed
+    task (invariant d) may have overwritten its row. A chaos step's value names its token,
+    so the first execution's value is the stored one with that token.
+    """
+    seen: set[str] = set()
+    for events in history.values():
+        for e in events:
+            state = (e.detail or {}).get("state")
+            if e.kind != "released" or state not in ("SUCCESS", "FAILURE") or e.task_id in seen:
+                continue
+            seen.add(e.task_id)
+            row = stored.get(e.task_id)
+            if row is None or row.token == e.token:
+                continue
+            value = row.value
+            if isinstance(value, dict) and "token" in value and state == "SUCCESS":
+                value = {**value, "token": e.token}
+            stored[e.task_id] = Stored(state, e.token, value)
+
+
+@dataclass
+class Seams:
+    """What :func:`check_seams` reads, indexed."""
+
+    stored: dict[str, Stored]
+    runs: dict[str, list[Any]]  # task id -> run rows
+    sent: dict[str, list[Any]]  # message id -> sent rows
+    history: dict[str, list[Any]]  # lease key -> events, in id order
+    #: worker hostname prefix -> (from, to) DB times it was stopped, killed (to=None)
+    stops: list[tuple[str, Any, Any]]
+    pg_window: tuple[Any, Any] | None  # DB times around the PostgreSQL restart
+    ttl: float
+    slack: float
+
+
+def index(trace: Iterable[Any]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    runs: dict[str, list[Any]] = defaultdict(list)
+    sent: dict[str, list[Any]] = defaultdict(list)
+    for row in trace:
+        (runs if row.kind == "run" else sent)[row.task_id].append(row)
+    return runs, sent
+
+
+def check_seams(jobs: list[Job], seams: Seams) -> list[tuple[str, str, str]]:
+    """The new invariants' violations: (kind, job or key, text)."""
+    found: list[tuple[str, str, str]] = []
+    for job in jobs:
+        if job.kind == "chain":
+            for a, b in (("s0", "s1"), ("s1", "s2")):
+                found += _edge("successor", job, job.ids[a], job.ids[b], "SUCCESS", seams)
+        elif job.kind == "link":
+            found += _edge("successor", job, job.ids["parent"], job.ids["link"], "SUCCESS", seams)
+            found += _edge("errback", job, job.ids["parent"], job.ids["errback"], "FAILURE", seams)
+        elif job.kind == "chord":
+            found += _chord(job, seams)
+    found += _ended_by_other(seams)
+    found += _completed_reruns(seams)
+    return found
+
+
+def _edge(
+    kind: str, job: Job, parent_id: str, child_id: str, when: str, seams: Seams
+) -> list[tuple[str, str, str]]:
+    """The message ``child_id`` that ``parent_id`` sends on ending in state ``when``."""
+    parent = seams.stored.get(parent_id)
+    expected = parent is not None and parent.status == when
+    token = parent.token if parent is not None and expected else None
+    # the errback receives the parent's task id; a successor its stored return value
+    value = parent_id if kind == "errback" else (parent.value if parent else None)
+    state = parent.status if parent else "no result"
+    sends = [s for s in seams.sent.get(child_id, []) if s.parent_id != child_id]
+    problems = []
+    for s in sends:
+        if s.parent_id != parent_id or not expected or s.token != token:
+            problems.append(
+                f"sent by {s.parent_id[:8]} under token {s.token} (worker {s.worker}) while "
+                f"the parent's stored state is {state} under token {parent and parent.token}"
+            )
+    current = [s for s in sends if expected and s.parent_id == parent_id and s.token == token]
+    if expected and len(current) > 1:
+        problems.append(f"sent {len(current)}x by the current execution (token {token})")
+    runs = seams.runs.get(child_id, [])
+    if expected and not current and not runs:
+        problems.append("never sent by the current execution")
+    for run in runs:
+        if not expected:
+            problems.append(f"ran (worker {run.worker}) although the parent ended {state}")
+        elif run.value != value:
+            problems.append(f"ran with {_short(run.value)}, the parent stored {_short(value)}")
+    what = {"successor": "successor/callback", "errback": "errback"}[kind]
+    return _one(kind, job, f"{what} {child_id[:8]} of {parent_id[:8]}", problems)
+
+
+def _chord(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
+    headers = [job.ids[f"h{n}"] for n in range(3)]
+    body_id = job.ids["body"]
+    parts = [seams.stored.get(h) for h in headers]
+    complete = all(p is not None and p.status == "SUCCESS" for p in parts)
+    value = [p.value for p in parts if p is not None] if complete else None
+    tokens = {h: p.token for h, p in zip(headers, parts, strict=True) if p is not None}
+    sends = [s for s in seams.sent.get(body_id, []) if s.parent_id != body_id]
+    problems = []
+    current = []
+    for s in sends:
+        if complete and s.parent_id in tokens and s.token == tokens[s.parent_id]:
+            current.append(s)
+        else:
+            problems.append(
+                f"sent by {s.parent_id[:8]} under token {s.token} (worker {s.worker}), not by "
+                f"a header's stored execution ({ {h[:8]: t for h, t in tokens.items()} })"
+            )
+    runs = seams.runs.get(body_id, [])
+    if complete and len(current) > 1:
+        problems.append(f"sent {len(current)}x by the headers' current executions")
+    if complete and not current and not runs:
+        problems.append("never sent, though every header succeeded")
+    for run in runs:
+        if run.value != value:
+            problems.append(f"ran with {_short(run.value)}, the headers stored {_short(value)}")
+    return _one("chord-body", job, f"body {body_id[:8]}", problems)
+
+
+def _one(kind: str, job: Job, what: str, problems: list[str]) -> list[tuple[str, str, str]]:
+    """One violation per message with problems (counted once), naming them all."""
+    if not problems:
+        return []
+    return [(kind, job.name, f"{job.name}: {what} " + "; ".join(problems))]
+
+
+def _excused(owner: str, granted: Any, moment: Any, seams: Seams) -> bool:
+    """The holder's process was stopped or killed, or the database restarted, between the
+    grant (``granted``) and its force-release (``moment``): it may have been past expiry."""
+    for prefix, begin, end in seams.stops:  # begin None: the database could not be asked
+        if not owner.startswith(prefix) or (begin is not None and begin > moment):
+            continue
+        if end is None or granted is None or end >= granted:
+            return True
+    if seams.pg_window is not None:
+        begin, end = seams.pg_window
+        slack = dt.timedelta(seconds=seams.slack)
+        return bool(begin <= moment and (granted is None or end + slack >= granted))
+    return False
+
+
+def _ended_by_other(seams: Seams) -> list[tuple[str, str, str]]:
+    found = []
+    for key, events in seams.history.items():
+        granted = {e.token: e.at for e in events if e.kind in GRANTS}
+        for ended in (e for e in events if e.kind == "force_released"):
+            later = [
+                e
+                for e in events
+                if e.id > ended.id
+                and e.token == ended.token
+                and e.kind in ("stale_write_rejected", "lost")
+            ]
+            if later and not _excused(ended.owner, granted.get(ended.token), ended.at, seams):
+                found.append(
+                    (
+                        "ended-by-other",
+                        key,
+                        f"{key!r}: token {ended.token} of {ended.owner} (task "
+                        f"{ended.task_id[:8]}) force-released at {ended.at:%H:%M:%S.%f} "
+                        f"({json.dumps(ended.detail)}) while it still ran: then "
+                        f"{later[0].kind} at {later[0].at:%H:%M:%S.%f}",
+                    )
+                )
+    return found
+
+
+def _completed_reruns(seams: Seams) -> list[tuple[str, str, str]]:
+    finals: dict[str, list[Any]] = defaultdict(list)
+    grants: dict[tuple[str, int], Any] = {}
+    for events in seams.history.values():
+        for e in events:
+            if e.kind == "released" and (e.detail or {}).get("state") in ("SUCCESS", "FAILURE"):
+                finals[e.task_id].append(e)
+            elif e.kind in GRANTS:
+                grants[(e.task_id, e.token)] = e
+    found = []
+    for task_id, runs in seams.runs.items():
+        for run in runs:
+            grant = grants.get((task_id, run.token)) if run.token is not None else None
+            if grant is None:
+                continue
+            for final in finals.get(task_id, []):
+                asked = any(
+                    s.parent_id == task_id and s.token == final.token
+                    for s in seams.sent.get(task_id, [])
+                )
+                if final.id < grant.id and final.token != run.token and not asked:
+                    found.append(
+                        (
+                            "completed-rerun",
+                            run.job,
+                            f"{run.job}: task {task_id[:8]} ran again under token {run.token} "
+                            f"(retries {run.retries}, worker {run.worker}) after its "
+                            f"{final.detail.get('state')} release under token {final.token} "
+                            f"(retries {final.detail.get('retries')}) at "
+                            f"{final.at:%H:%M:%S.%f}",
+                        )
+                    )
+                    break
+    return found
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) < 120 else text[:117] + "..."
