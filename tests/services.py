@@ -77,12 +77,6 @@ def chromium_binary() -> str:
     return CHROMIUM
 
 
-#: The working directory of commands run as the postgres user: the caller's may be a folder
-#: that user cannot enter (a root-only ``mktemp -d`` clone), and PostgreSQL's tools then
-#: print "could not change directory to …: Permission denied".
-POSTGRES_CWD = "/"
-
-
 def _as_postgres(cmd: list[str]) -> list[str]:
     if os.geteuid() == 0:
         return ["runuser", "-u", "postgres", "--", *cmd]
@@ -145,7 +139,6 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
         ],
         check=True,
         stdout=subprocess.DEVNULL,
-        cwd=POSTGRES_CWD,
     )
     options = (
         f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off "
@@ -167,7 +160,6 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
         ],
         check=True,
         stdout=subprocess.DEVNULL,
-        cwd=POSTGRES_CWD,
     )
     _wait_port(port, "PostgreSQL")
     return {
@@ -216,7 +208,6 @@ def stop(base: Path) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,
-            cwd=POSTGRES_CWD,
         )
     pidfile = base / "redis.pid"
     if pidfile.exists():
