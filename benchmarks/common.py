@@ -257,6 +257,21 @@ def insert_select(
     return sql, params
 
 
+def ratio(measured: float, baseline: float) -> float | None:
+    """``measured / baseline``, or None when the baseline measured nothing (a smoke batch
+    can take 0 CPU ticks): a measurement never fails the run."""
+    return measured / baseline if baseline > 0 else None
+
+
+def ratios(measured: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """The per-round ratios whose baseline measured something (see :func:`ratio`)."""
+    return [a / b for a, b in zip(measured, baseline, strict=True) if b > 0]
+
+
+def median_or_none(values: Sequence[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else math.nan
 

@@ -23,8 +23,9 @@ from benchmarks.common import (
     Context,
     Line,
     cpu_seconds,
-    median,
+    median_or_none,
     rate,
+    ratios,
     rotated,
     seconds,
     servers_cpu,
@@ -216,15 +217,16 @@ def _lines(
     cpu: dict[str, list[float]],
     counts: dict[str, dict[str, Any]],
 ) -> list[Line]:
-    def ratios(name: str, base: str, values: dict[str, list[float]]) -> list[float]:
-        return [a / b for a, b in zip(values[name], values[base], strict=True)]
+    def per_round(name: str, base: str, values: dict[str, list[float]]) -> list[float]:
+        return ratios(values[name], values[base])
 
     def per_task(name: str) -> str:
         return f"{sum(cpu[name]) / (batch * len(cpu[name])) * 1000:.1f} ms CPU/task"
 
     def shown(name: str) -> str:
         wall = sum(times[name])
-        return f"{seconds(wall)} ({rate(batch * len(times[name]) / wall)})"
+        done = batch * len(times[name])
+        return f"{seconds(wall)} ({rate(done / wall) if wall > 0 else 'n/a'})"
 
     tasks = batch * len(next(iter(times.values())))
     batches = f"{len(next(iter(times.values())))} batches of {batch:,}"
@@ -236,14 +238,14 @@ def _lines(
         ("redis-lock", "plain", "Redis lock vs plain", False),
         ("fenced-reuse", "plain-acks-late-reuse", "fenced vs plain acks_late, kept", False),
     ):
-        r = ratios(name, base, times)
+        r = per_round(name, base, times)
         lines.append(
             Line(
                 row="1 end to end",
                 case=f"{tasks:,} no-op tasks ({batches}): {case}",
                 measured=shown(name),
                 baseline=shown(base),
-                ratio=median(r),
+                ratio=median_or_none(r),
                 spread=spread(r),
                 target="≤ 1.10x" if target else "",
                 kind="max" if target else None,
@@ -256,14 +258,14 @@ def _lines(
         ("redis-lock", "plain", "Redis lock vs plain"),
         ("fenced-reuse", "plain-acks-late-reuse", "fenced vs plain acks_late, kept"),
     ):
-        r = ratios(name, base, cpu)
+        r = per_round(name, base, cpu)
         lines.append(
             Line(
                 row="1 end to end",
                 case=f"CPU (worker + PostgreSQL + Redis): {case}",
                 measured=per_task(name),
                 baseline=per_task(base),
-                ratio=median(r),
+                ratio=median_or_none(r),
                 spread=spread(r),
             )
         )

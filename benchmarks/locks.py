@@ -37,7 +37,17 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
-from benchmarks.common import Context, Line, insert_select, median, rate, rotated, spread
+from benchmarks.common import (
+    Context,
+    Line,
+    insert_select,
+    median,
+    median_or_none,
+    rate,
+    ratios,
+    rotated,
+    spread,
+)
 
 PG_VARIANTS = ("api", "api-using", "api-prepared", "raw", "lean", "redis", "advisory")
 SQLITE_VARIANTS = ("api", "raw")
@@ -438,7 +448,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
     lines = []
 
     def ratio(config: tuple[str, int, int], a: str, b: str) -> list[float]:
-        return [x / y for x, y in zip(measured[(*config, a)], measured[(*config, b)], strict=True)]
+        return ratios(measured[(*config, a)], measured[(*config, b)])
 
     def value(config: tuple[str, int, int], variant: str) -> str:
         return rate(median(measured[(*config, variant)]))
@@ -456,7 +466,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: API vs raw statements",
                         measured=value(config, "api"),
                         baseline=value(config, "raw"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                         target="≥ 0.80x",
                         kind="min",
@@ -472,7 +482,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: API with using= vs raw statements",
                         measured=value(config, "api-using"),
                         baseline=value(config, "raw"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                     )
                 )
@@ -483,7 +493,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: API vs Redis lock",
                         measured=value(config, "api"),
                         baseline=value(config, "redis"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                         target="≥ 0.75x",
                         kind="min",
@@ -497,7 +507,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: API, prepared statements (Django OPTIONS) vs Redis lock",
                         measured=value(config, "api-prepared"),
                         baseline=value(config, "redis"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                     )
                 )
@@ -508,7 +518,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: lean statements (no events, prepared) vs Redis lock",
                         measured=value(config, "lean"),
                         baseline=value(config, "redis"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                     )
                 )
@@ -519,7 +529,7 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                         case=f"{where}: advisory lock vs Redis lock",
                         measured=value(config, "advisory"),
                         baseline=value(config, "redis"),
-                        ratio=median(r),
+                        ratio=median_or_none(r),
                         spread=spread(r),
                     )
                 )

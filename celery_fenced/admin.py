@@ -24,8 +24,8 @@ from django.db.models import Q, QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 
 from celery_fenced import operations, paging, timeline
 from celery_fenced.models import Lease, LeaseEvent
@@ -62,6 +62,10 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True) if value else ""
 
 
+def _first(task_id: str) -> str:
+    return task_id if len(task_id) <= 13 else f"{task_id[:8]}…"
+
+
 def badge(text: str, colour: str) -> SafeString:
     return format_html(
         '<span class="fenced-badge fenced-{}" style="background:{};color:#fff;'
@@ -71,6 +75,18 @@ def badge(text: str, colour: str) -> SafeString:
         colour,
         text.replace("_", " "),
     )
+
+
+#: narrow columns: a short task id, times on one line, the detail wrapped (fits 1366 px)
+CHANGE_LIST = "admin/celery_fenced/change_list.html"
+
+
+def short_id(task_id: str) -> SafeString | str:
+    """A task id as its first 8 characters, the whole id in the tooltip (a UUID would
+    wrap onto four lines of a changelist column)."""
+    if len(task_id) <= 13:
+        return task_id
+    return format_html('<span title="{}">{}…</span>', task_id, task_id[:8])
 
 
 def when(value: dt.datetime | None) -> str:
@@ -166,7 +182,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         "token",
         "state_badge",
         "owner",
-        "task_name",
+        "task_name_column",
         "task_link",
         "expires_in",
         "last_renewed",
@@ -178,9 +194,10 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     date_hierarchy = "acquired_at"
     ordering = ("-acquired_at",)
     # only the columns an index can sort
-    sortable_by = ("key", "task_name", "expires_in", "acquired")
+    sortable_by = ("key", "task_name_column", "expires_in", "acquired")
     actions = ("force_release_selected",)
     change_form_template = "admin/celery_fenced/lease/change_form.html"
+    change_list_template = CHANGE_LIST
     fieldsets = (
         (None, {"fields": ("key", "state_badge", "token", "owner", "reclaimed_from")}),
         ("Task", {"fields": ("task_name", "task_link")}),
@@ -190,7 +207,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         ),
         (
             "Reclaim",
-            {"fields": ("reclaim_state", "reclaim_attempts", "reclaim_claimed_at", "job")},
+            {"fields": ("reclaim_state", "reclaim_attempts", "reclaim_claimed", "job")},
         ),
     )
     readonly_fields = (
@@ -208,7 +225,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         "released",
         "reclaim_state",
         "reclaim_attempts",
-        "reclaim_claimed_at",
+        "reclaim_claimed",
         "job",
     )
 
@@ -243,14 +260,27 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     def released(self, lease: Lease) -> str:
         return when(lease.released_at)
 
+    @admin.display(description="reclaim claimed at")
+    def reclaim_claimed(self, lease: Lease) -> str:
+        """When the reclaimer last claimed this lease (the same format as the times)."""
+        return when(lease.reclaim_claimed_at)
+
+    @admin.display(description="task name", ordering="task_name")
+    def task_name_column(self, lease: Lease) -> SafeString:
+        """The task name, allowed to wrap after each dot (a narrow column)."""
+        parts = lease.task_name.split(".")
+        return format_html_join(mark_safe(".<wbr>"), "{}", ((part,) for part in parts))
+
     @admin.display(description="task id")
     def task_link(self, lease: Lease) -> str:
         if not lease.task_id:
             return "—"
         url = self.task_result_url(lease.task_id)
         if url is None:
-            return lease.task_id
-        return format_html('<a href="{}">{}</a>', url, lease.task_id)
+            return short_id(lease.task_id)
+        return format_html(
+            '<a href="{}" title="{}">{}</a>', url, lease.task_id, _first(lease.task_id)
+        )
 
     def task_result_url(self, task_id: str) -> str | None:
         """django-celery-results' TaskResult changelist filtered on ``task_id``."""
@@ -407,7 +437,8 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
 
 @admin.register(LeaseEvent)
 class LeaseEventAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, EventModelAdmin):
-    list_display = ("at_utc", "kind_badge", "lease_link", "token", "owner", "task_id", "detail")
+    list_display = ("at_utc", "kind_badge", "lease_link", "token", "owner", "task", "detail")
+    change_list_template = CHANGE_LIST
     list_filter = ("kind",)
     search_fields = ("lease__key", "=task_id")
     exact_search_fields = ("lease__key", "task_id")
@@ -421,6 +452,10 @@ class LeaseEventAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Event
     @admin.display(description="at (UTC)", ordering="at")
     def at_utc(self, event: LeaseEvent) -> str:
         return when(event.at)
+
+    @admin.display(description="task id")
+    def task(self, event: LeaseEvent) -> SafeString | str:
+        return short_id(event.task_id) if event.task_id else "—"
 
     @admin.display(description="kind", ordering="kind")
     def kind_badge(self, event: LeaseEvent) -> SafeString:

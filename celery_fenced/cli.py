@@ -78,3 +78,43 @@ def _param(arg: commands.Arg) -> click.Parameter:
 
 for _spec in commands.SUBCOMMANDS.values():
     fenced.add_command(_command(_spec))
+
+
+def _stop_when_not_installed(sender: Any = None, **kwargs: Any) -> None:
+    """At worker start: ``fenced_*`` settings, but ``celery_fenced`` not in INSTALLED_APPS.
+
+    Then no hook of the app is connected and the tasks those settings name would run
+    unfenced, silently. This module is loaded by every ``celery`` command (the
+    ``celery.commands`` entry point), so it can say so even then.
+    """
+    if "django" not in sys.modules:
+        return
+    from django.apps import apps
+    from django.conf import settings
+
+    if not (settings.configured and apps.apps_ready) or apps.is_installed("celery_fenced"):
+        return
+    app = getattr(sender, "app", None)
+    names = {n for n in dir(settings) if n.startswith("CELERY_FENCED_")}
+    conf = getattr(app, "conf", None)
+    if conf is not None:
+        names |= {n for n in conf if str(n).lower().startswith("fenced_")}
+    if names:
+        from celery_fenced.checks import REQUIRED_APPS, installed_apps_message
+
+        missing = [a for a in REQUIRED_APPS if not apps.is_installed(a)]
+        raise SystemExit(
+            f"celery-fenced: {installed_apps_message(missing)} ({', '.join(sorted(names))} "
+            "would be ignored: the tasks they name would run unfenced)"
+        )
+
+
+def _connect() -> None:
+    from celery import signals
+
+    signals.worker_init.connect(
+        _stop_when_not_installed, weak=False, dispatch_uid="celery_fenced.cli.installed"
+    )
+
+
+_connect()

@@ -81,7 +81,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 
 HELP = (
     "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
-    "prune --older-than DAYS."
+    "prune --older-than DAYS, reclaim."
 )
 
 

@@ -1,8 +1,17 @@
-"""Exceptions raised by celery-fenced. All are re-exported from :mod:`celery_fenced`."""
+"""Exceptions raised by celery-fenced. All are re-exported from :mod:`celery_fenced`.
+
+The exceptions that carry data keep exactly their constructor's positional arguments in
+``args``, so that Celery's result backends rebuild them: with the JSON serializer a
+backend stores ``exc_module``, ``exc_type`` and ``exc_message`` (``exc.args``) and calls
+``cls(*exc_message)``; with pickle, ``__reduce__`` gives the class and those arguments.
+``AsyncResult.get()`` then raises the same class with the same attributes, and
+``except StaleToken`` matches. The message is made by ``__str__`` from the attributes.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -14,68 +23,80 @@ class FencedError(Exception):
         super().__init__(message or self.__doc__)
 
 
-class LeaseBusy(FencedError):
+class _DataError(FencedError):
+    """A :class:`FencedError` whose ``args`` are its constructor's positional arguments."""
+
+    def __init__(self, *args: Any) -> None:
+        Exception.__init__(self, *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args)
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def message(self) -> str:
+        raise NotImplementedError
+
+
+class LeaseBusy(_DataError):
     """The lease is held by another owner."""
 
     def __init__(
         self,
         key: str,
-        *,
         holder: str = "",
         token: int | None = None,
-        expires_at: dt.datetime | None = None,
         remaining: float = 0.0,
+        expires_at: dt.datetime | str | None = None,
     ) -> None:
         self.key = key
         self.holder = holder
         self.token = token
-        self.expires_at = expires_at
         #: seconds until the holder's grant expires, by the database's clock
-        self.remaining = remaining
-        super().__init__(
-            f"lease {key!r} is held by {holder or 'another owner'} "
-            f"(token {token}) for {remaining:.1f}s more"
+        self.remaining = float(remaining)
+        if isinstance(expires_at, str):  # rebuilt from a result stored as JSON
+            expires_at = dt.datetime.fromisoformat(expires_at)
+        self.expires_at = expires_at
+        super().__init__(key, holder, token, self.remaining, expires_at)
+
+    def message(self) -> str:
+        return (
+            f"lease {self.key!r} is held by {self.holder or 'another owner'} "
+            f"(token {self.token}) for {self.remaining:.1f}s more"
         )
 
-    def __reduce__(self) -> tuple[object, ...]:
-        # keyword-only data must survive pickling (Celery result serialisation)
-        return (_rebuild_busy, (self.key, self.holder, self.token, self.remaining))
 
-
-def _rebuild_busy(key: str, holder: str, token: int | None, remaining: float) -> LeaseBusy:
-    return LeaseBusy(key, holder=holder, token=token, remaining=remaining)
-
-
-class LeaseLost(FencedError):
+class LeaseLost(_DataError):
     """The lease was taken away: it expired, was force-released or granted to another."""
 
     def __init__(self, key: str, token: int, reason: str = "") -> None:
         self.key = key
         self.token = token
         self.reason = reason
-        detail = f": {reason}" if reason else ""
-        super().__init__(f"lease {key!r} under token {token} was lost{detail}")
+        super().__init__(key, token, reason)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (LeaseLost, (self.key, self.token, self.reason))
+    def message(self) -> str:
+        detail = f": {self.reason}" if self.reason else ""
+        return f"lease {self.key!r} under token {self.token} was lost{detail}"
 
 
-class StaleToken(FencedError):
+class StaleToken(_DataError):
     """A write carried a fencing token older than the current one."""
 
-    def __init__(self, key: str, token: int, current: int | None) -> None:
+    def __init__(self, key: str, token: int, current: int | None = None) -> None:
         self.key = key
         self.token = token
         #: the newer token that refused the write (None when the grant was ended)
         self.current = current
-        newer = f"current token is {current}" if current is not None else "grant ended"
-        super().__init__(f"stale fencing token {token} for {key!r} ({newer})")
+        super().__init__(key, token, current)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (StaleToken, (self.key, self.token, self.current))
+    def message(self) -> str:
+        newer = f"current token is {self.current}" if self.current is not None else "grant ended"
+        return f"stale fencing token {self.token} for {self.key!r} ({newer})"
 
 
-class AlreadyCompleted(FencedError):
+class AlreadyCompleted(_DataError):
     """The task id already completed under its lease: this delivery is a duplicate.
 
     Raised by :func:`celery_fenced.store.acquire` when given a task id and the delivery's
@@ -86,13 +107,13 @@ class AlreadyCompleted(FencedError):
         self.key = key
         self.task_id = task_id
         self.retries = retries
-        super().__init__(
-            f"task {task_id} already completed under lease {key!r} "
-            f"(this delivery: {retries} retries)"
-        )
+        super().__init__(key, task_id, retries)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (AlreadyCompleted, (self.key, self.task_id, self.retries))
+    def message(self) -> str:
+        return (
+            f"task {self.task_id} already completed under lease {self.key!r} "
+            f"(this delivery: {self.retries} retries)"
+        )
 
 
 class FencedConfigurationError(FencedError, ImproperlyConfigured):

@@ -32,6 +32,7 @@ def connect() -> None:
     signals.worker_shutdown.connect(
         on_process_shutdown, weak=False, dispatch_uid="celery_fenced.shutdown"
     )
+    signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="celery_fenced.ready")
 
 
 def fence_configured_tasks(app: Any) -> list[str]:
@@ -110,11 +111,14 @@ def fenced_class(cls: type) -> type:
 
 
 def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
-    """At worker start: validate the settings and the pool; fence the configured tasks.
+    """At worker start: run the system checks, check the pool, fence the configured tasks.
 
-    A misconfiguration stops the worker with a message naming the setting (SystemExit,
-    which Celery's signal dispatch does not swallow).
+    An error stops the worker with one message naming the setting or the task
+    (SystemExit, which Celery's signal dispatch does not swallow); the warnings and a
+    line saying what is fenced are logged once the worker's logging is set up
+    (:func:`on_worker_ready`).
     """
+    from celery_fenced import checks, startup
     from celery_fenced.exceptions import FencedError
 
     app = getattr(sender, "app", None)
@@ -127,15 +131,37 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
             f"the {pool_name} pool is not supported: renewal needs a real thread in the "
             "process that runs the task. Use the prefork, threads or solo pool."
         )
+    errors, warnings = checks.run(app)
+    if errors:
+        _stop("\n".join(_describe(message) for message in errors))
     try:
-        names = fence_configured_tasks(app)
+        fence_configured_tasks(app)
         any_fenced = validate_fenced_tasks(app)
     except FencedError as exc:
         _stop(str(exc))
-    if names:
-        logger.info("celery-fenced: fencing %s", ", ".join(sorted(names)))
+    _at_ready[:] = [*(_describe(w) for w in warnings), startup.summary(app)]
     if any_fenced:
         _check_tables()
+
+
+#: What :func:`on_worker_init` found, logged by :func:`on_worker_ready`.
+_at_ready: list[str] = []
+
+
+def on_worker_ready(**kwargs: Any) -> None:
+    """Log the start-up warnings and the one line saying what this worker fences."""
+    *warnings, summary = _at_ready or [""]
+    for warning in warnings:
+        logger.warning("celery-fenced: %s", warning)
+    if summary:
+        logger.info("%s", summary)
+    _at_ready.clear()
+
+
+def _describe(message: Any) -> str:
+    """A check message on one line: the text, the hint and the id."""
+    hint = f" HINT: {message.hint}" if message.hint else ""
+    return f"{message.msg}{hint} ({message.id})"
 
 
 def _check_tables() -> None:
@@ -183,6 +209,33 @@ def on_process_shutdown(**kwargs: Any) -> None:
 
 
 def _stop(message: str) -> NoReturn:
-    logger.critical("celery-fenced: %s", message)
-    print(f"celery-fenced: {message}", file=sys.stderr)
-    raise SystemExit(1)
+    """Stop the worker, printing ``message`` once on standard error.
+
+    At ``worker_init`` Celery's logging is not set up yet: a log record would reach the
+    terminal through Python's last-resort handler or a console handler of the project's
+    ``LOGGING`` (a second copy), so the message is logged only to handlers that write
+    elsewhere (a file), and printed by the exit itself.
+    """
+    text = "\n".join(f"celery-fenced: {line}" for line in message.splitlines())
+    if any(not _to_terminal(handler) for handler in _handlers(logger)):
+        logger.critical("%s", text)
+    raise SystemExit(text)
+
+
+def _handlers(log: logging.Logger) -> list[logging.Handler]:
+    found: list[logging.Handler] = []
+    current: logging.Logger | None = log
+    while current is not None:
+        found += current.handlers
+        current = current.parent if current.propagate else None
+    return found
+
+
+def _to_terminal(handler: logging.Handler) -> bool:
+    stream = getattr(handler, "stream", None)
+    return isinstance(handler, logging.StreamHandler) and stream in (
+        sys.stderr,
+        sys.stdout,
+        sys.__stderr__,
+        sys.__stdout__,
+    )

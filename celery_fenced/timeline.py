@@ -21,7 +21,7 @@ MAX_LANES = 30  # the newest tokens drawn
 
 WIDTH = 960
 LEFT = 96
-RIGHT = 24
+RIGHT = 40  # room for a mark or a label at the right-hand end
 TOP = 12
 LANE = 24
 BAR = 14
@@ -96,6 +96,7 @@ class Shape:
 class Tick:
     x: float
     label: str
+    anchor: str = "middle"  # the last label ends at its tick: never past the picture
 
 
 @dataclass
@@ -225,14 +226,39 @@ def picture(lease: Lease, events_newest_first: Sequence[LeaseEvent], now: dt.dat
                 label_anchor="start" if inside or room_right else "end",
             )
         )
-    for mark in marks:
-        pic.shapes.append(_shape(mark, x(mark.at), lane_y[mark.token] + LANE / 2))
+    placed = _apart([(mark, x(mark.at)) for mark in marks])
+    # the small marks last, on top: a "lost" square is never hidden under a diamond
+    for mark, at_x in sorted(placed, key=lambda p: DRAW_ORDER.get(p[0].kind, 0)):
+        pic.shapes.append(_shape(mark, at_x, lane_y[mark.token] + LANE / 2))
     pic.ticks = [
-        Tick(round(LEFT + i * plot_width / 4, 1), _tick(start + (end - start) * i / 4, span))
+        Tick(
+            round(LEFT + i * plot_width / 4, 1),
+            _tick(start + (end - start) * i / 4, span),
+            "end" if i == 4 else "middle",
+        )
         for i in range(5)
     ]
     pic.span = f"{_clock(start)} → {_clock(end)} UTC"
     return pic
+
+
+#: Marks drawn later are drawn on top.
+DRAW_ORDER = {"force_released": 0, "reclaimed": 1, "stale_write_rejected": 2, "lost": 3}
+MARK_GAP = 12.0  # px between the centres of two marks on one lane
+
+
+def _apart(marks: list[tuple[Mark, float]]) -> list[tuple[Mark, float]]:
+    """Marks of one lane closer than :data:`MARK_GAP` moved apart, in time order (a
+    refused write and the holder learning of its loss often share a millisecond)."""
+    placed: list[tuple[Mark, float]] = []
+    last: dict[int, float] = {}
+    for mark, at_x in sorted(marks, key=lambda p: (p[0].at, DRAW_ORDER.get(p[0].kind, 0))):
+        previous = last.get(mark.token)
+        if previous is not None and at_x - previous < MARK_GAP:
+            at_x = round(previous + MARK_GAP, 1)
+        last[mark.token] = at_x
+        placed.append((mark, at_x))
+    return placed
 
 
 def _shape(mark: Mark, x: float, y: float) -> Shape:

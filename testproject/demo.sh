@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The live demo of celery-fenced: DESIGN.md's worked example with real Celery workers on
+# The live demo of celery-fenced: a stalled worker fenced out, with real Celery workers on
 # SQLite and the filesystem broker (nothing else to install or start).
 #
 #   bash testproject/demo.sh          # run the example (exit code 0 when every step happened)
-#   bash testproject/demo.sh admin    # then browse its database in Django's admin
+#   bash testproject/demo.sh admin    # then browse its database in Django's admin (a held
+#                                     # lease to force-release, the takeover's timeline, events)
 #
 # Creates .venv in the repository root on first use and installs the package into it.
 set -euo pipefail

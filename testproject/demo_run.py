@@ -1,4 +1,4 @@
-"""DESIGN.md's worked example, live: a stalled worker is fenced out.
+"""The worked example of docs/concepts.md, live: a stalled worker is fenced out.
 
 Run it with ``bash testproject/demo.sh``. It starts real ``celery worker`` processes on
 the embedded default (SQLite and the filesystem broker: no server to start):
@@ -13,11 +13,14 @@ the embedded default (SQLite and the filesystem broker: no server to start):
    are refused. B's work stands, and the audit trail records every step.
 
 ``python -m testproject.demo_run admin`` (or ``bash testproject/demo.sh admin``) then
-serves the same database in Django's admin.
+serves the same database in Django's admin, with something on every page: the taken-over
+``report:42`` with its timeline (the demo is run first when its database has none), a
+lease held for an hour that the force-release button can end, and the event list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -357,7 +360,7 @@ def demo() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="celery-fenced-demo-"))
     (tmp / "broker").mkdir()  # the filesystem transport does not create its folder
     configure(broker_dir=tmp / "broker")
-    print("celery-fenced demo: DESIGN.md's worked example with real `celery worker` processes")
+    print("celery-fenced demo: a stalled worker is fenced out (real `celery worker` processes)")
     print(f"(SQLite {DB_PATH.relative_to(ROOT)}, filesystem broker in {tmp})\n")
     workers: list[Worker] = []
     problems: list[str] = []
@@ -393,19 +396,67 @@ def demo() -> int:
     return 0
 
 
-def admin(addr: str = ADMIN_ADDR) -> int:
-    """Serve the demo database in Django's admin, with a local superuser admin/admin."""
+HELD_KEY = "export:nightly"  # the lease the admin's force-release button can end
+HELD_TTL = 3600.0
+
+
+def fill_for_admin() -> int:
+    """Give every admin page something to show: the demo's taken-over ``report:42`` (the
+    demo runs first when the database has no such lease) and a lease held for an hour."""
     DEMO_DIR.mkdir(exist_ok=True)
+    if not _has_lease(KEY):  # read before Django is set up: the demo configures it
+        print(f"The demo database has no {KEY} yet: running the demo first.\n")
+        if demo() != 0:
+            return 1
+        print()
     configure()
-    from django.contrib.auth import get_user_model
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
+    from celery_fenced import LeaseBusy, acquire
+
+    try:
+        held = acquire(
+            HELD_KEY,
+            ttl=HELD_TTL,
+            owner="celery@reports-1:4242:1",
+            task_name="testproject.demo.tasks.rebuild_report",
+        )
+        print(f"{HELD_KEY} is held (token {held.token}) for an hour: force-release it there.")
+    except LeaseBusy:
+        pass  # still held from an earlier start
+    return 0
+
+
+def _has_lease(key: str) -> bool:
+    import sqlite3
+
+    if not DB_PATH.exists():
+        return False
+    with contextlib.closing(sqlite3.connect(DB_PATH)) as db:
+        try:
+            found = db.execute("SELECT 1 FROM celery_fenced_lease WHERE key = ?", (key,))
+        except sqlite3.DatabaseError:  # not migrated yet
+            return False
+        return found.fetchone() is not None
+
+
+def admin(addr: str = ADMIN_ADDR, *, serve: bool = True) -> int:
+    """Serve the demo database in Django's admin, with a local superuser admin/admin."""
+    if fill_for_admin() != 0:
+        return 1
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
     users = get_user_model()._default_manager
     if not users.filter(username="admin").exists():
         users.create_superuser("admin", "admin@localhost", "admin")
+    if not serve:
+        return 0
     print(f"Django admin on the demo database {DB_PATH.relative_to(ROOT)}:")
-    print(f"  open http://{addr}/admin/ and log in as admin / admin (Ctrl-C to stop)\n")
+    print(f"  open http://{addr}/admin/ and log in as admin / admin (Ctrl-C to stop)")
+    print(f"  leases: http://{addr}/admin/celery_fenced/lease/ ({KEY}: the takeover's timeline)")
+    print(f"  events: http://{addr}/admin/celery_fenced/leaseevent/\n")
     call_command("runserver", addr, use_reloader=False)
     return 0
 
@@ -413,6 +464,8 @@ def admin(addr: str = ADMIN_ADDR) -> int:
 def main(argv: Sequence[str]) -> int:
     if not argv:
         return demo()
+    if argv[:2] == ["admin", "--no-serve"]:  # fill the database only (the tests)
+        return admin(serve=False)
     if argv[0] == "admin" and len(argv) <= 2:
         return admin(*argv[1:])
     print("usage: python -m testproject.demo_run [admin [ADDR:PORT]]", file=sys.stderr)

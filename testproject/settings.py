@@ -139,6 +139,9 @@ else:
 CELERY_RESULT_BACKEND = "celery_fenced.backends:FencedDatabaseBackend"
 CELERY_RESULT_EXTENDED = True
 CELERY_TASK_SERIALIZER = "json"
+# the tests store results with pickle too (FENCED_RESULT_SERIALIZER=pickle)
+CELERY_RESULT_SERIALIZER = os.environ.get("FENCED_RESULT_SERIALIZER", "json")
+CELERY_RESULT_ACCEPT_CONTENT = sorted({"json", CELERY_RESULT_SERIALIZER})
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_FENCED_TASKS: dict[str, dict[str, object]] = json.loads(

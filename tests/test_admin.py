@@ -293,7 +293,16 @@ def test_admin__task_name_filter_and_search(lease_db: str, login: Callable[..., 
 def test_admin__task_id_links_to_task_results(lease_db: str, login: Callable[..., Client]) -> None:
     acquire("k", ttl=30, task_id="abc-123", task_name="t", using=lease_db)
     html = login(*VIEWER).get(CHANGELIST).content.decode()
-    assert '<a href="/admin/django_celery_results/taskresult/?task_id=abc-123">abc-123</a>' in html
+    assert (
+        '<a href="/admin/django_celery_results/taskresult/?task_id=abc-123" title="abc-123">'
+        "abc-123</a>"
+    ) in html
+    uuid = (
+        "8c0e7a52-0d1b-4c59-9f3e-2b7d1a60c4e1"  # a real task id: its first 8, whole in the title
+    )
+    acquire("u", ttl=30, task_id=uuid, task_name="t", using=lease_db)
+    html = login(*VIEWER, username="bob").get(CHANGELIST).content.decode()
+    assert f'?task_id={uuid}" title="{uuid}">8c0e7a52…</a>' in html
 
 
 def test_admin__changelist_never_counts_the_whole_table(
@@ -459,3 +468,37 @@ def test_admin__event_changelist_filters_and_searches(
     page = client.get(f"{EVENTS}{event.pk}/change/")
     assert page.status_code == 200
     assert 'name="_save"' not in page.content.decode()
+
+
+@pytest.mark.django_db(databases=DATABASE_ALIASES)
+def test_timeline__marks_of_one_moment_are_side_by_side_and_inside_the_picture() -> None:
+    from celery_fenced import timeline
+
+    takeover_history("default")  # the refused write and the loss share a millisecond
+    lease = Lease.objects.get(key="report:42")
+    events = list(LeaseEvent.objects.filter(lease=lease).order_by("-at", "-id"))
+    pic = timeline.picture(lease, events, operations.database_now("default"))
+    lane_1 = [s for s in pic.shapes if s.kind in ("stale_write_rejected", "lost")]
+    assert len(lane_1) == 2
+    stale, lost = sorted(lane_1, key=lambda s: s.x)
+    assert (stale.kind, lost.kind) == ("stale_write_rejected", "lost")
+    assert lost.x - stale.x >= timeline.MARK_GAP
+    assert pic.shapes[-1].kind == "lost"  # drawn last: on top
+    assert all(s.x + 8 <= pic.width for s in pic.shapes)
+    assert pic.ticks[-1].anchor == "end"
+
+
+@pytest.mark.django_db(databases=DATABASE_ALIASES)
+def test_admin__reclaim_claimed_at_has_the_format_of_the_other_times(
+    login: Callable[..., Client],
+) -> None:
+    held = acquire("job:1", ttl=30, using="default")
+    Lease.objects.filter(key="job:1").update(reclaim_claimed_at=F("acquired_at"))
+    client = login("view_lease")
+    lease = Lease.objects.get(key="job:1")
+    page = client.get(f"/admin/celery_fenced/lease/{lease.pk}/change/").content.decode()
+    from celery_fenced.admin import when
+
+    shown = when(lease.acquired_at)
+    assert re.search(r"Reclaim claimed at:</label>\s*<div class=\"readonly\">" + shown, page)
+    held.release()

@@ -89,7 +89,7 @@ def some_leases() -> dict[str, HeldLease]:
             "invoice:2024-07",
             ttl=600,
             owner="celery@billing-1:4121:1",
-            task_id="8c0e7a52-0d1b",
+            task_id="8c0e7a52-0d1b-4c59-9f3e-2b7d1a60c4e1",
             task_name="billing.tasks.send_invoices",
             using="default",
         ),
@@ -97,7 +97,7 @@ def some_leases() -> dict[str, HeldLease]:
             "sync:crm",
             ttl=300,
             owner="celery@sync-2:77:1",
-            task_id="f3a9d1c4-77aa",
+            task_id="f3a9d1c4-77aa-4e0b-b1c2-5d9e8f7a6b50",
             task_name="crm.tasks.sync",
             using="default",
         ),
@@ -107,7 +107,7 @@ def some_leases() -> dict[str, HeldLease]:
         ttl=60,
         owner="celery@etl-1:901:2",
         task_name="etl.tasks.export",
-        task_id="0b7c61e2-1f00",
+        task_id="0b7c61e2-1f00-4a8b-9c3d-e4f5a6b7c8d9",
         using="default",
     )
     expire("default", "export:daily")
@@ -116,10 +116,21 @@ def some_leases() -> dict[str, HeldLease]:
         ttl=30,
         owner="celery@media-1:31:4",
         task_name="media.tasks.thumb",
-        task_id="5d2e9f10-aa31",
+        task_id="5d2e9f10-aa31-4bcd-8e2f-0a1b2c3d4e5f",
         using="default",
     ).release()
     return held
+
+
+def fits_the_width(page: Any) -> bool:
+    """No horizontal scroll: the page and the results table fit the viewport."""
+    return bool(
+        page.evaluate(
+            "() => document.documentElement.scrollWidth <= window.innerWidth"
+            " && [...document.querySelectorAll('#changelist .results')]"
+            ".every(e => e.scrollWidth <= e.clientWidth)"
+        )
+    )
 
 
 def row(page: Any, key: str) -> Any:
@@ -134,11 +145,14 @@ def test_browser__changelist_and_state_filter(page: Any) -> None:
     assert row(page, "export:daily").locator(".fenced-badge").inner_text() == "expired"
     assert row(page, "thumbnail:991").locator(".fenced-badge").inner_text() == "released"
     link = row(page, "invoice:2024-07").locator("td.field-task_link a")
-    assert "/admin/django_celery_results/taskresult/?task_id=8c0e7a52-0d1b" in (
-        link.get_attribute("href") or ""
+    assert (
+        "/admin/django_celery_results/taskresult/?task_id=8c0e7a52-0d1b-4c59-9f3e-2b7d1a60c4e1"
+        in (link.get_attribute("href") or "")
     )
+    assert link.inner_text() == "8c0e7a52…"
     DOCS_STATIC.mkdir(parents=True, exist_ok=True)
-    page.set_viewport_size({"width": 1600, "height": 640})
+    page.set_viewport_size({"width": 1366, "height": 640})  # a common laptop screen
+    assert fits_the_width(page)  # every column, expiry and renewal too, without scrolling
     page.screenshot(path=str(DOCS_STATIC / "admin-changelist.png"), full_page=True)
 
     page.locator("#changelist-filter a", has_text="expired").click()
@@ -179,6 +193,20 @@ def test_browser__lease_page_history_and_timeline(page: Any) -> None:
     ]
     assert page.locator(".field-state_badge .fenced-badge").inner_text() == "held"
     page.screenshot(path=str(DOCS_STATIC / "admin-lease.png"), full_page=True)
+
+
+def test_browser__event_list_shows_every_column_at_1366_px(page: Any) -> None:
+    some_leases()
+    page.set_viewport_size({"width": 1366, "height": 700})
+    page.goto(f"{page.base}/admin/celery_fenced/leaseevent/")
+    assert page.locator("#result_list tbody tr").count() >= 8
+    assert fits_the_width(page)
+    detail = page.locator("#result_list td.field-detail", has_text="previous_owner").first
+    box, table = detail.bounding_box(), page.locator("#result_list").bounding_box()
+    assert box is not None
+    assert table is not None
+    assert box["x"] + box["width"] <= table["x"] + table["width"] + 1  # not cut off
+    page.screenshot(path=str(DOCS_STATIC / "admin-events.png"), full_page=True)
 
 
 def test_browser__force_release_action_and_button(page: Any) -> None:

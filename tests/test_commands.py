@@ -231,3 +231,14 @@ def test_reclaim__resends_an_expired_unfinished_job(alias: str, dry_run: bool) -
     resent = LeaseEvent.objects.using(alias).filter(lease__key="job:r", kind="resent")
     assert resent.exists() is (not dry_run)
     assert ("would be handled" in out) is dry_run
+
+
+def test_commands__help_names_every_subcommand() -> None:
+    from click.testing import CliRunner
+
+    from celery_fenced import cli, commands
+
+    shown = CliRunner().invoke(cli.fenced, ["--help"]).output
+    for name in commands.SUBCOMMANDS:
+        assert name in commands.HELP, name
+        assert f"  {name} " in shown, shown

@@ -25,7 +25,7 @@ from celery_fenced.models import LeaseEvent
 from testproject.demo.models import ChaosEntry, ChaosSlot
 
 from .conftest import DATABASE_ALIASES
-from .services import _as_postgres
+from .services import run_as_postgres
 from .workers import send, wait_for
 
 pytestmark = [
@@ -41,9 +41,7 @@ INCLUDE = ["--include", "testproject.demo.chaos_tasks"]
 def pg_ctl(*args: str) -> subprocess.CompletedProcess[bytes]:
     data = os.environ["FENCED_PG_DATA"]
     command = [str(Path(os.environ["FENCED_PG_BINDIR"]) / "pg_ctl"), "-D", data, *args]
-    return subprocess.run(
-        _as_postgres(command), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120
-    )
+    return run_as_postgres(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
 
 
 def postgres_running() -> bool:

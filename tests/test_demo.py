@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +38,23 @@ def test_demo__plays_the_fenced_takeover_and_exits_0() -> None:
     ):
         assert line in out
     assert "\nOK in " in out
+
+    # `demo.sh admin` then has something on every page: a held lease to force-release
+    admin = subprocess.run(
+        [sys.executable, "-m", "testproject.demo_run", "admin", "--no-serve"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert admin.returncode == 0, admin.stdout + admin.stderr
+    assert "running the demo first" not in admin.stdout  # the demo's report:42 is there
+    with contextlib.closing(sqlite3.connect(ROOT / "testproject/.demo/demo.sqlite3")) as db:
+        held = db.execute(
+            "SELECT token FROM celery_fenced_lease WHERE key = 'export:nightly' "
+            "AND released_at IS NULL"
+        ).fetchall()
+        kinds = {k for (k,) in db.execute("SELECT DISTINCT kind FROM celery_fenced_leaseevent")}
+    assert len(held) == 1
+    assert {"reclaimed", "stale_write_rejected", "resent"} <= kinds

@@ -97,9 +97,7 @@ def test_fence_configured_tasks__key_naming_a_missing_argument() -> None:
 
 
 @pytest.mark.parametrize("pool", ["gevent", "eventlet"])
-def test_on_worker_init__refuses_green_pools(
-    pool: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_on_worker_init__refuses_green_pools(pool: str) -> None:
     from types import SimpleNamespace
 
     from celery import Celery
@@ -107,14 +105,12 @@ def test_on_worker_init__refuses_green_pools(
     from celery_fenced.hooks import on_worker_init
 
     worker = SimpleNamespace(app=Celery(set_as_current=False), pool_cls=pool)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         on_worker_init(sender=worker)
-    assert f"the {pool} pool is not supported" in capsys.readouterr().err
+    assert f"celery-fenced: the {pool} pool is not supported" in str(stopped.value.code)
 
 
-def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_interval(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_interval() -> None:
     from types import SimpleNamespace
 
     from celery_fenced.hooks import on_worker_init
@@ -123,9 +119,9 @@ def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_int
     for name, task in list(app.tasks.items()):  # shared tasks of the test project too
         if isinstance(task, FencedExecution) and name != "mod.build":
             del app.tasks[name]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         on_worker_init(sender=SimpleNamespace(app=app, pool_cls="prefork"))
-    err = capsys.readouterr().err
+    err = str(stopped.value.code)
     assert "task 'mod.build'" in err
     assert "must be shorter than the lease ttl" in err
 

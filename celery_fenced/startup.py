@@ -1,0 +1,193 @@
+"""What a project fences, worked out once for the system checks and the worker's start.
+
+:func:`fenced_tasks` lists the tasks that run under a lease (``FencedTask`` subclasses and
+the tasks ``fenced_tasks`` selects) with their merged options; :func:`load_project_tasks`
+imports the project's task modules the way the worker does, so that ``manage.py check``
+sees what the worker will see; :func:`summary` is the worker's one start-up line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from celery_fenced import conf
+from celery_fenced.exceptions import FencedConfigurationError
+
+logger = logging.getLogger(__name__)
+
+#: Brokers that redeliver an unacknowledged message after a visibility timeout, with the
+#: timeout kombu uses when ``broker_transport_options`` sets none.
+VISIBILITY_TIMEOUTS = {"redis": 3600.0, "rediss": 3600.0, "sentinel": 3600.0, "sqs": 1800.0}
+#: Result backends that store a fenced execution's result under the token check.
+FENCED_BACKENDS = ("fenced-db", "celery_fenced.backends:FencedDatabaseBackend")
+
+
+@dataclass(frozen=True)
+class FencedTaskInfo:
+    """One fenced task: its name, the task object and its merged, validated options."""
+
+    name: str
+    task: Any
+    options: conf.TaskOptions
+    configured: bool  # selected by ``fenced_tasks`` (else a ``FencedTask`` subclass)
+
+    @property
+    def key(self) -> str:
+        key = self.options.key
+        if key is None:
+            return "default key"
+        if isinstance(key, str):
+            return f"key {key!r}"
+        return f"key {getattr(key, '__qualname__', repr(key))}()"
+
+    @property
+    def acks_late(self) -> bool:
+        # a task that fenced_tasks selects gets acks_late=True at worker start
+        return True if self.configured else bool(self.task.acks_late)
+
+    @property
+    def time_limit(self) -> float | None:
+        limit = self.task.time_limit
+        if limit is None:
+            limit = self.task.app.conf.task_time_limit
+        return float(limit) if limit else None
+
+
+_loading: set[int] = set()
+
+
+def load_project_tasks(app: Any) -> None:
+    """Import the project's task modules and finalize ``app``, as a worker does at start.
+
+    ``manage.py check`` does not import task modules (Celery's ``autodiscover_tasks`` is
+    lazy), so without this a lease-key template error shows only when a worker starts.
+    Does nothing in a worker (it has loaded them itself) or when called again. Raises
+    :class:`FencedConfigurationError` from a task's definition.
+    """
+    loader = app.loader
+    if getattr(loader, "worker_initialized", False) or getattr(app, "_fenced_loaded", False):
+        return
+    if id(app) in _loading:  # the Django fixup runs the checks from inside the import
+        return
+    _loading.add(id(app))
+    try:
+        loader.import_default_modules()
+        app.finalize(auto=True)
+        app._fenced_loaded = True
+    finally:
+        _loading.discard(id(app))
+
+
+def fenced_tasks(app: Any) -> list[FencedTaskInfo]:
+    """Every task of ``app`` that runs under a lease, with its options, sorted by name.
+
+    Raises :class:`FencedConfigurationError` naming the task whose options do not fit
+    the settings (say a global ``fenced_renew_interval`` not below its ``lease_ttl``).
+    """
+    from celery_fenced import keys
+    from celery_fenced.task import FencedExecution
+
+    settings = conf.load(app)
+    found = []
+    for name, task in sorted(app.tasks.items()):
+        configured = settings.options_for(name)
+        if isinstance(task, FencedExecution) and task._fenced_config is None:
+            found.append(FencedTaskInfo(name, task, task.fenced_options(), configured=False))
+        elif configured is not None:
+            options = settings.task_options(
+                f"fenced_tasks option of task {name!r}",
+                ttl=configured.get("ttl"),
+                on_busy=configured.get("on_busy"),
+                renew_interval=configured.get("renew_interval"),
+                key=configured.get("key"),
+                reclaim=configured.get("reclaim"),
+            )
+            if isinstance(options.key, str):
+                keys.check_template(name, options.key, getattr(task, "run", None))
+            found.append(FencedTaskInfo(name, task, options, configured=True))
+    return found
+
+
+def result_backend_name(app: Any) -> str:
+    """The configured result backend as the user wrote it ('' when none)."""
+    backend = app.conf.result_backend
+    if backend is None or backend is False:
+        return ""
+    if isinstance(backend, type):
+        return f"{backend.__module__}:{backend.__qualname__}"
+    return str(backend)
+
+
+def results_fenced(app: Any) -> bool:
+    """Whether ``app`` stores results with :class:`FencedDatabaseBackend` (or a subclass)."""
+    name = result_backend_name(app)
+    if not name:
+        return False
+    if name in FENCED_BACKENDS:
+        return True
+    try:
+        from celery.app import backends
+
+        found: Any = backends.by_url(name, app.loader)
+        from celery_fenced.backends import FencedDatabaseBackend
+
+        return issubclass(found[0], FencedDatabaseBackend)
+    except Exception:  # not importable: Celery reports it when it loads the backend
+        return False
+
+
+def visibility_timeout(app: Any) -> tuple[str, float] | None:
+    """``(transport, seconds)`` for a broker that redelivers after a visibility timeout."""
+    url = app.conf.broker_url or ""
+    if isinstance(url, list | tuple):
+        url = url[0] if url else ""
+    transport = str(url).split("://", 1)[0].split("+", 1)[0].lower()
+    if transport not in VISIBILITY_TIMEOUTS:
+        return None
+    options = app.conf.broker_transport_options or {}
+    seconds = options.get("visibility_timeout", VISIBILITY_TIMEOUTS[transport])
+    try:
+        return transport, float(seconds)
+    except (TypeError, ValueError):
+        return None
+
+
+def database_description() -> str:
+    """The lease database: alias, vendor and name (never a password)."""
+    from django.db import connections
+
+    from celery_fenced import store
+
+    alias = store.database_alias()
+    connection = connections[alias]
+    params = connection.settings_dict
+    where = str(params.get("NAME") or "")
+    host = params.get("HOST")
+    if host:
+        port = params.get("PORT")
+        where = f"{host}{':' + str(port) if port else ''}/{where}"
+    return f"{alias!r} ({connection.vendor} {where})"
+
+
+def summary(app: Any) -> str:
+    """One line for the worker's log: what is fenced, how results are stored, where."""
+    try:
+        tasks = fenced_tasks(app)
+    except FencedConfigurationError as exc:
+        return f"celery-fenced: {exc}"
+    if tasks:
+        listed = "; ".join(
+            f"{info.name} ({info.key}, ttl {info.options.ttl:g}s)" for info in tasks
+        )
+        what = f"{len(tasks)} fenced task{'s' if len(tasks) != 1 else ''}: {listed}"
+    else:
+        what = "no fenced tasks"
+    backend = result_backend_name(app) or "none"
+    results = (
+        f"results fenced ({backend})"
+        if results_fenced(app)
+        else f"results NOT fenced (result backend: {backend})"
+    )
+    return f"celery-fenced: {what} | {results} | lease database {database_description()}"
