@@ -474,8 +474,10 @@ def test_admin__event_changelist_filters_and_searches(
 def test_timeline__marks_of_one_moment_are_side_by_side_and_inside_the_picture() -> None:
     from celery_fenced import timeline
 
-    takeover_history("default")  # the refused write and the loss share a millisecond
+    takeover_history("default")
     lease = Lease.objects.get(key="report:42")
+    one_moment = LeaseEvent.objects.filter(lease=lease, kind="stale_write_rejected").get().at
+    LeaseEvent.objects.filter(lease=lease, kind="lost").update(at=one_moment)  # not the clock's
     events = list(LeaseEvent.objects.filter(lease=lease).order_by("-at", "-id"))
     pic = timeline.picture(lease, events, operations.database_now("default"))
     lane_1 = [s for s in pic.shapes if s.kind in ("stale_write_rejected", "lost")]

@@ -29,6 +29,10 @@ def fresh_app(**conf: Any) -> Celery:
     app.task(name="mod.add", shared=False)(add)
     app.task(name="other.sub", shared=False)(sub)
     app.task(name="mod.build", base=FencedTask, lease_ttl=30, shared=False)(build)
+    app.finalize()  # then drop the shared tasks other tests' imports registered on every app
+    ours = {"mod.add", "other.sub", "mod.build"}
+    for name in [n for n in app.tasks if n not in ours and not n.startswith("celery.")]:
+        del app.tasks[name]
     return app
 
 
