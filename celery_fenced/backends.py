@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import states
 from django.db import (
     DatabaseError,
-    InterfaceError,
-    OperationalError,
     connections,
     router,
     transaction,
@@ -43,7 +40,7 @@ from django.db import (
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import dialects, store, workflow
+from celery_fenced import dialects, outages, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -51,8 +48,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
-#: pauses (seconds) between attempts to settle a final outcome while the database is away
-SETTLE_RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def lease_of(request: Any) -> HeldLease | None:
@@ -228,28 +223,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         return proven
 
     def _through_outages(self, task_id: str, aliases: list[str], attempt: Callable[[], T]) -> T:
-        """``attempt()``, again after a pause while the database is away (0.5 to 8 s apart).
-
-        The failed attempt's transaction went with the connection, so nothing of it stands.
-        Inside a transaction of the caller's, nothing can be retried: the error is raised.
-        """
-        for pause in (*SETTLE_RETRY_PAUSES, None):
-            try:
-                return attempt()
-            except (OperationalError, InterfaceError) as exc:
-                if pause is None or any(connections[a].in_atomic_block for a in aliases):
-                    raise
-                logger.warning(
-                    "could not record the outcome of task %s (%s); trying again in %.1f s",
-                    task_id,
-                    exc,
-                    pause,
-                    extra={"task_id": task_id},
-                )
-                for alias in aliases:
-                    connections[alias].close()
-                time.sleep(pause)
-        raise AssertionError("unreachable")  # pragma: no cover
+        """``attempt()``, again after a pause while the database is away (0.5 to 8 s apart)."""
+        return outages.attempt_through(
+            attempt,
+            aliases,
+            f"could not record the outcome of task {task_id}",
+            extra={"task_id": task_id},
+        )
 
     def _prove_then(
         self,

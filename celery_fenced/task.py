@@ -9,6 +9,7 @@ import operator
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from celery import Task, states
@@ -16,7 +17,7 @@ from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_fenced import conf, context, keys, workflow
+from celery_fenced import conf, context, keys, outages, workflow
 from celery_fenced.exceptions import (
     AlreadyCompleted,
     FencedConfigurationError,
@@ -194,12 +195,26 @@ class FencedExecution:
                 replaced = exc
         raise replaced
 
-    def _proven(self) -> Any:
-        """A ``guard()`` of the held lease, or nothing to prove (no lease, eager)."""
+    @contextlib.contextmanager
+    def _proven(self) -> Iterator[None]:
+        """A ``guard()`` of the held lease, or nothing to prove (no lease, eager).
+
+        The proof is tried again while the database is away for a moment (``outages``):
+        a retry asked for because the database dropped must not turn into a FAILURE
+        because the proof met the same outage.
+        """
         lease = self.lease
         if lease is None or lease.released or getattr(self.request, "is_eager", False):
-            return contextlib.nullcontext()
-        return lease.guard()
+            yield
+            return
+        with contextlib.ExitStack() as proven:
+            outages.attempt_through(
+                lambda: proven.enter_context(lease.guard()),
+                [lease.alias],
+                f"could not prove lease {lease.key!r} (token {lease.token}) current",
+                extra={"task_id": lease.task_id},
+            )
+            yield
 
     def _take_lease(
         self,

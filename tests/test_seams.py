@@ -863,6 +863,25 @@ def test_group_in_chain__stale_success_sends_no_group_and_the_current_one_sends_
 
 
 # -- the database goes away while a result settles: the outcome is settled again -----------
+def terminate_connection(alias: str) -> None:
+    """End this thread's PostgreSQL session of ``alias`` from the server's side."""
+    import psycopg
+
+    connection = connections[alias]
+    connection.ensure_connection()
+    pid = connection.connection.info.backend_pid
+    settings = connection.settings_dict
+    with psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        password=settings["PASSWORD"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    ) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
 def test_connection_lost_before_the_result__success_settles_once_back(
     broker: Broker, lease_db: str
 ) -> None:
@@ -870,26 +889,12 @@ def test_connection_lost_before_the_result__success_settles_once_back(
     just before its result transaction (a restart, a failover)."""
     if lease_db != "postgres":
         pytest.skip("terminates a PostgreSQL backend")
-    import psycopg
-
     app = broker.app
     task = app.tasks["seams.step"]
     original = task.run
 
     def run(value: str) -> str:
-        connection = connections[lease_db]
-        connection.ensure_connection()
-        pid = connection.connection.info.backend_pid
-        settings = connection.settings_dict
-        with psycopg.connect(
-            host=settings["HOST"],
-            port=settings["PORT"],
-            user=settings["USER"],
-            password=settings["PASSWORD"],
-            dbname=settings["NAME"],
-            autocommit=True,
-        ) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        terminate_connection(lease_db)
         return f"{value}@{task.request.fencing_token}"
 
     task.run = run
@@ -904,3 +909,32 @@ def test_connection_lost_before_the_result__success_settles_once_back(
     assert lease.released_at is not None
     kinds = set(LeaseEvent.objects.using(lease_db).values_list("kind", flat=True))
     assert not kinds & {"lost", "stale_write_rejected"}
+
+
+def test_connection_lost_before_a_retry__the_retry_is_sent_not_a_failure(
+    broker: Broker, lease_db: str
+) -> None:
+    """``autoretry_for=(OperationalError,)`` is how tasks ride out a database restart: the
+    proof of the lease that guards the retry message meets the same outage and must wait
+    for the database, not turn the job into a FAILURE (seen in the chaos runner)."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    app = broker.app
+    task = app.tasks["seams.retrying"]
+    original = task.run
+
+    def run(report_id: int) -> str:
+        terminate_connection(lease_db)  # the body saw the restart; it asks for a retry
+        raise task.retry(countdown=3600)
+
+    task.run = run
+    try:
+        app.signature("seams.retrying", (8,)).apply_async(task_id="retrying-8")
+        deliver(app, broker.sent("seams.retrying")[0])
+    finally:
+        task.run = original
+    assert status(lease_db, "retrying-8")[0] == "RETRY"
+    (first, _), (again, _) = broker.sent("seams.retrying")
+    assert (first["retries"], again["retries"]) == (0, 1)
+    lease = Lease.objects.using(lease_db).get(task_id="retrying-8")
+    assert lease.released_at is not None  # the retry ended this grant; the next run takes one
