@@ -69,8 +69,9 @@ def capture(alias: str) -> Statements:
     each parameter that was the probe's key, owner, token or lease id becomes a slot the
     raw variant fills with its own, so the templates follow the store when it changes.
     """
-    from celery_fenced import LeaseBusy, acquire, dialects
+    from celery_fenced import LeaseBusy, acquire
     from celery_fenced.models import Lease
+    from celery_fenced.store import dialects
 
     log: list[tuple[str, list[Any]]] = []
     fetch = dialects.SQLDialect._fetch
@@ -372,7 +373,7 @@ def _capture_all() -> dict[str, Statements]:
     """The store's statements on both databases, and the lean ones beside PostgreSQL's."""
     from django.db import connections
 
-    from celery_fenced import dialects
+    from celery_fenced.store import dialects
 
     statements = {connections[a].vendor: capture(a) for a in ("default", "sqlite")}
     # lean: the grant's upsert alone (its parameters come first in the grant statement)

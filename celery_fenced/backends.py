@@ -40,7 +40,7 @@ from django.db import (
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import dialects, outages, store, workflow
+from celery_fenced import outages, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -219,7 +219,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             from celery_fenced.renewal import renewer
 
             renewer().unregister(lease)
-            lease.ended()
+            lease.confirm_released()
         return proven
 
     def _through_outages(self, task_id: str, aliases: list[str], attempt: Callable[[], T]) -> T:
@@ -241,19 +241,11 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         then: Callable[[], None],
     ) -> None:
         with transaction.atomic(using=lease.alias):
-            dialect = dialects.for_alias(lease.alias)
-            if releasing:
-                # one statement proves the token current and releases the grant; a
-                # write that fails below rolls the release back with it
-                ok, current = dialect.release_current(
-                    lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery
-                )
-            else:
-                ok, current = dialect.prove_current(lease.key, lease.token)
+            # releasing: one statement proves the token current and releases the grant;
+            # a write that fails below rolls the release back with it
+            ok, current = store.prove_for_result(lease, task_id, status, releasing=releasing)
             if not ok:
                 raise store.Refused(current)
-            if not releasing or task_id != lease.task_id:
-                dialect.lock_for_result(task_id)  # release_current took lease.task_id's
             request.meta = {
                 **(getattr(request, "meta", None) or {}),
                 "fencing_token": lease.token,
@@ -433,7 +425,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         """
         alias = router.db_for_write(self.TaskModel)
         with transaction.atomic(using=alias):
-            dialects.for_alias(alias).lock_for_result(task_id)
+            store.lock_for_result(alias, task_id)
             if not self._untokened_may_write(task_id, alias, over_final):
                 logger.warning(
                     "untokened %s write for task %s refused: a fenced execution's result stands",

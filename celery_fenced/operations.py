@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from django.db.models import Case, Max, Min, Q, QuerySet, Value, When
-from django.db.models import Count as CountOf
+from django.db.models import Case, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 
 from celery_fenced import store
@@ -143,9 +142,7 @@ def force_release(key: str, *, by: str, using: str | None = None) -> int | None:
 
 def database_now(using: str | None = None) -> dt.datetime:
     """The database's clock."""
-    from celery_fenced import dialects
-
-    return dialects.for_alias(database_alias(using)).now()
+    return store.database_now(using)
 
 
 def prune_events(
@@ -173,21 +170,7 @@ def prune_events(
         raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
     alias = database_alias(using)
     cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
-    manager = LeaseEvent._default_manager.using(alias)
-    old = manager.filter(at__lt=cutoff).order_by()
-    span = old.aggregate(first=Min("id"), last=Max("id"), total=CountOf("id"))
-    if not span["total"]:
-        return 0
-    deleted = 0
-    # walk the primary key in ranges of batch_size ids: each DELETE is an index range scan
-    # (a LIMITed subquery on `at` would rescan the dead rows of every earlier batch)
-    for start in range(span["first"], span["last"] + 1, batch_size):
-        in_range = {"id__gte": start, "id__lt": start + batch_size, "at__lt": cutoff}
-        count, _ = manager.filter(**in_range).delete()
-        deleted += count
-        if progress is not None and count:
-            progress(deleted, max(span["total"], deleted))
-    return deleted
+    return store.delete_events_before(alias, cutoff, batch_size=batch_size, progress=progress)
 
 
 def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:
@@ -232,13 +215,11 @@ def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
     when it is above ``cap``; any other query is counted up to ``cap`` rows only
     (default :data:`COUNT_CAP`).
     """
-    from celery_fenced import dialects
-
     cap = COUNT_CAP if cap is None else cap
     unordered = queryset.order_by()
     if not queryset.query.where:
         table = queryset.model._meta.db_table
-        estimate = dialects.for_alias(queryset.db).estimated_rows(table) or 0
+        estimate = store.estimated_rows(queryset.db, table) or 0
         # a stale estimate of a table emptied since: check there really are > cap rows
         if estimate > cap and unordered[cap : cap + 1].exists():
             return Count(estimate, "about")

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 from kombu import serialization
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from celery_fenced import store
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +207,7 @@ def reclaim_expired(
     (an ``abandoned`` event). ``dry_run`` claims nothing and sends nothing: it reports
     what a sweep would do. Claims are taken ``limit`` at a time until none is left.
     """
-    from celery_fenced import conf, dialects, store
+    from celery_fenced import conf, store
 
     if app is None:
         from celery import current_app
@@ -212,24 +217,27 @@ def reclaim_expired(
     grace = settings.reclaim_grace if grace is None else conf.validate_seconds(grace, "grace")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
-    dialect = dialects.for_alias(store.database_alias(using))
+    alias = store.database_alias(using)
     if dry_run:
-        return _preview(dialect, grace, settings.reclaim_resend_after, settings.reclaim_max, limit)
+        return _preview(alias, grace, settings.reclaim_resend_after, settings.reclaim_max, limit)
     outcomes: list[Reclaimed] = []
     while True:
-        claims = dialect.claim_expired(
+        claims = store.claim_expired(
+            alias,
             grace=grace,
             resend_after=settings.reclaim_resend_after,
             max_attempts=settings.reclaim_max,
             limit=limit,
         )
-        batch = [_handle(app, dialect, claim, settings.reclaim_max) for claim in claims]
+        batch = [_handle(app, alias, claim, settings.reclaim_max) for claim in claims]
         outcomes += batch
         if len(claims) < limit or any(o.action == "failed" for o in batch):
             return outcomes
 
 
-def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
+def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> Reclaimed:
+    from celery_fenced import store
+
     def outcome(action: str, reason: str = "") -> Reclaimed:
         return Reclaimed(
             claim.key, claim.task_id, claim.task_name, claim.token, claim.attempts, action, reason
@@ -251,7 +259,7 @@ def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
     except ValueError as exc:
         reason = f"unreadable job: {exc}"
         logger.error("lease %r abandoned: %s", claim.key, reason, extra=extra)
-        dialect.abandon(claim, reason)
+        store.abandon(alias, claim, reason)
         return outcome("abandoned", reason)
     try:
         app.send_task(
@@ -271,7 +279,7 @@ def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
             exc,
             extra=extra,
         )
-        dialect.unclaim(claim)
+        store.unclaim(alias, claim)
         return outcome("failed", repr(exc))
     detail = {
         "attempt": claim.attempts,
@@ -280,7 +288,7 @@ def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
         "queue": job.options.get("queue") or job.options.get("routing_key", ""),
     }
     try:
-        dialect.record_resent(claim, detail)
+        store.record_resent(alias, claim, detail)
     except Exception:  # the message is out; the event is best effort
         logger.info("could not record the resent event for %r", claim.key, exc_info=True)
     logger.warning(
@@ -299,8 +307,10 @@ def _handle(app: Any, dialect: Any, claim: Any, max_attempts: int) -> Reclaimed:
 
 
 def _preview(
-    dialect: Any, grace: float, resend_after: float, max_attempts: int, limit: int
+    alias: str, grace: float, resend_after: float, max_attempts: int, limit: int
 ) -> list[Reclaimed]:
+    from celery_fenced import store
+
     return [
         Reclaimed(
             c.key,
@@ -312,8 +322,8 @@ def _preview(
             "" if c.state == "resent" else "too many re-sends",
             dry_run=True,
         )
-        for c in dialect.expired_unfinished(
-            grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+        for c in store.expired_unfinished(
+            alias, grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
         )
     ]
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from django.db import connections
 
-from celery_fenced import dialects, store
+from celery_fenced import store
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
@@ -80,20 +80,18 @@ class Renewer:
                     continue
                 now = time.monotonic()
                 leases = list(self._leases.values())
-                next_due = min(x._confirmed_at + x.renew_interval for x in leases)
+                next_due = min(x.confirmed_at + x.renew_interval for x in leases)
                 if next_due > now:
                     self._cond.wait(timeout=next_due - now)
                     continue
-                due = [
-                    x for x in leases if now >= x._confirmed_at + x.renew_interval * BATCH_SHARE
-                ]
+                due = [x for x in leases if now >= x.confirmed_at + x.renew_interval * BATCH_SHARE]
             try:
                 self.renew(due, time_limit=True)
             except Exception:  # nothing may stop the thread: every other lease needs it
                 logger.exception("lease renewal failed; will retry")
             with self._cond:
                 for lease in due:
-                    if lease._lost_reason is None and not lease.released:
+                    if not lease.marked_lost and not lease.released:
                         continue  # a lease past its deadline is marked lost next round
                     if self._leases.pop(id(lease), None) is not None and not lease.released:
                         self._lost[id(lease)] = lease  # until its execution unregisters it
@@ -136,9 +134,7 @@ class Renewer:
         sent = time.monotonic()
         try:
             with store.time_limited(alias, seconds):
-                renewed = dialects.for_alias(alias).renew(
-                    [dialects.Renewal(x.key, x.token, x.owner, x.ttl) for x in group]
-                )
+                renewed = store.renew_many(alias, group)
         except Exception as exc:
             locked = _timed_out(exc)
             logger.warning(

@@ -182,7 +182,7 @@ class FencedExecution:
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
-        from celery_fenced.dialects.records import REPLACED
+        from celery_fenced.store import REPLACED
 
         with self._proven():
             try:
@@ -232,14 +232,12 @@ class FencedExecution:
         retried at least as often as this one (a redelivered or re-sent message); a retry
         the body asked for before that execution ended (``retries`` above it) still runs.
         """
-        from celery_fenced import dialects, reclaim, store
+        from celery_fenced import reclaim, store
 
         request = self.request
         retries = int(getattr(request, "retries", 0) or 0)
         delivery = (
-            dialects.Delivery(
-                task_id, keys.message_digest(task_id, self.name, args, kwargs), retries
-            )
+            store.Delivery(task_id, keys.message_digest(task_id, self.name, args, kwargs), retries)
             if task_id
             else None
         )
@@ -258,13 +256,8 @@ class FencedExecution:
                 delivery=delivery,
             )
         except AlreadyCompleted:
-            dialects.for_alias(alias).record_event(
-                key,
-                "duplicate",
-                None,
-                task_id,
-                _owner(request),
-                {"task": self.name, "retries": retries},
+            store.record_duplicate(
+                key, task_id, _owner(request), {"task": self.name, "retries": retries}, using=alias
             )
             logger.info(
                 "task %s[%s] skipped as a duplicate: the same job already completed under "
@@ -320,7 +313,7 @@ class FencedExecution:
             from celery_fenced.renewal import renewer
 
             renewer().unregister(lease)
-            lease.released = True
+            lease.forget()
             self.request._fenced_lease = None  # the RETRY state is written untokened
             self._retry_unlimited(exc, 0)
         raise exc

@@ -191,11 +191,11 @@ def send() -> str:
 
 def lease_expired(token: int) -> bool:
     """True once grant ``token`` of the key has expired by the database's clock."""
-    from celery_fenced import dialects
+    from celery_fenced import store
     from celery_fenced.models import Lease
 
     lease = Lease.objects.get(key=KEY)
-    now = dialects.for_alias("default").now()  # the clock every expiry decision uses
+    now = store.database_now("default")  # the clock every expiry decision uses
     return lease.token == token and lease.released_at is None and lease.expires_at <= now
 
 

@@ -18,11 +18,12 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from kombu import Exchange, Queue
 
-from celery_fenced import acquire, dialects
+from celery_fenced import acquire
 from celery_fenced import conf as fenced_conf
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import Job, decode_job, encode_job, job_for, reclaim_expired
+from celery_fenced.store import dialects
 
 from .conftest import DATABASE_ALIASES
 from .test_store import data_statements
@@ -54,7 +55,7 @@ def recording_app(fail: bool = False, **conf: Any) -> tuple[Celery, list[dict[st
 def dialect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The SQL of each database, or the ORM fallback every other database gets."""
     if request.param == "portable":
-        monkeypatch.setattr(dialects, "for_alias", lambda alias, **kw: dialects.Dialect(alias))
+        monkeypatch.setattr(dialects, "for_alias", lambda alias, **kw: dialects.ORMDialect(alias))
     return str(request.param)
 
 

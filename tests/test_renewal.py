@@ -108,11 +108,11 @@ def test_renewer__hung_renewal_loses_the_lease_at_its_local_deadline(alias: str)
             assert time.monotonic() >= blocked.local_deadline
             # and the renewer marks it (log, signal): at the deadline, or as refused once
             # the database's expiry lets the statement pass the locked row
-            wait_for(lambda: blocked._lost_reason is not None)
+            wait_for(lambda: blocked.marked_lost)
             with pytest.raises(LeaseLost):
                 blocked.check()
             if alias == "postgres":  # row locks: the other lease is renewed meanwhile
-                wait_for(lambda: free._confirmed_at > started + 0.5)
+                wait_for(lambda: free.confirmed_at > started + 0.5)
 
         def taken_over() -> bool:
             try:
@@ -126,7 +126,7 @@ def test_renewer__hung_renewal_loses_the_lease_at_its_local_deadline(alias: str)
         with pytest.raises(LeaseLost):
             blocked.check()
         after = time.monotonic()
-        wait_for(lambda: free._confirmed_at > after)  # the thread survived the timeouts
+        wait_for(lambda: free.confirmed_at > after)  # the thread survived the timeouts
         assert renewer._thread is not None
         assert renewer._thread.is_alive()
         assert not free.lost

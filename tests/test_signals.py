@@ -61,7 +61,7 @@ def test_lease_lost__raising_receiver_does_not_stop_the_renewer(
         force_release(lost.key, using=alias)  # its next renewal is refused: lease_lost
         wait_for(lambda: lost.lost)
         after = time.monotonic()
-        wait_for(lambda: other._confirmed_at > after)  # the other lease is still renewed
+        wait_for(lambda: other.confirmed_at > after)  # the other lease is still renewed
         assert renewer._thread is not None
         assert renewer._thread.is_alive()
         assert not other.lost

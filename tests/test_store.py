@@ -19,8 +19,16 @@ from celery_fenced import (
     force_release,
 )
 from celery_fenced import signals as fenced_signals
-from celery_fenced.dialects import Completed, Delivery, Dialect, Grant, for_alias
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store.dialects import (
+    Completed,
+    Delivery,
+    Dialect,
+    Ending,
+    Grant,
+    GrantRequest,
+    for_alias,
+)
 from testproject.demo.models import Report
 
 from .conftest import DATABASE_ALIASES, wait_until_blocked
@@ -239,17 +247,17 @@ def test_dialect__lifecycle(alias: str, portable: bool) -> None:
     """The single-statement dialects and the ORM fallback agree on every decision."""
     dialect = for_alias(alias, portable=portable)
     assert isinstance(dialect, Dialect)
-    granted = dialect.acquire("k", 30, "a", "t1", "task")
+    granted = dialect.acquire(GrantRequest("k", 30, "a", "t1", "task"))
     assert getattr(granted, "token", None) == 1
-    busy = dialect.acquire("k", 30, "b", "t2", "task")
+    busy = dialect.acquire(GrantRequest("k", 30, "b", "t2", "task"))
     assert (getattr(busy, "owner", None), getattr(busy, "token", None)) == ("a", 1)
     expire(alias, "k")
-    reclaimed = dialect.acquire("k", 30, "b", "t2", "task")
+    reclaimed = dialect.acquire(GrantRequest("k", 30, "b", "t2", "task"))
     assert (getattr(reclaimed, "token", None), getattr(reclaimed, "reclaimed_from", None)) == (
         2,
         "a",
     )
-    assert dialect.release("k", 1, "a", "t1") is False
+    assert dialect.release(Ending("k", 1, "a", "t1")) is False
     with connections[alias].cursor():
         pass
     from django.db import transaction
@@ -258,7 +266,7 @@ def test_dialect__lifecycle(alias: str, portable: bool) -> None:
         assert dialect.prove_current("k", 2) == (True, 2)
     with transaction.atomic(using=alias):
         assert dialect.prove_current("k", 1) == (False, 2)
-    assert dialect.release("k", 2, "b", "t2") is True
+    assert dialect.release(Ending("k", 2, "b", "t2")) is True
     assert dialect.force_release("k", "me") is None
     assert [k for k, _ in kinds(alias, "k")] == ["acquired", "busy", "reclaimed", "released"]
 
@@ -302,13 +310,16 @@ def test_release_current__proves_and_releases_in_the_callers_transaction(
     from django.db import transaction
 
     dialect = for_alias(alias, portable=portable)
-    granted = dialect.acquire("k", 30, "a", "t1", "task")
+    granted = dialect.acquire(GrantRequest("k", 30, "a", "t1", "task"))
     assert getattr(granted, "token", None) == 1
 
     # a failure after it (the result write) rolls the release and its event back
     def failing_write() -> None:
         with transaction.atomic(using=alias):
-            assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", delivery()) == (True, 1)
+            assert dialect.release_current(Ending("k", 1, "a", "t1", "SUCCESS", delivery())) == (
+                True,
+                1,
+            )
             raise RuntimeError("the result write failed")
 
     with pytest.raises(RuntimeError):
@@ -317,7 +328,9 @@ def test_release_current__proves_and_releases_in_the_callers_transaction(
     assert (row.released_at, row.completed_digest) == (None, "")
     assert kinds(alias, "k") == [("acquired", 1)]
     with transaction.atomic(using=alias):
-        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS", delivery(retries=2)) == (
+        assert dialect.release_current(
+            Ending("k", 1, "a", "t1", "SUCCESS", delivery(retries=2))
+        ) == (
             True,
             1,
         )
@@ -340,22 +353,22 @@ def test_release_current__refuses_a_grant_that_is_not_the_keys_unreleased_one(
     from django.db import transaction
 
     dialect = for_alias(alias, portable=portable)
-    dialect.acquire("k", 30, "a", "t1", "task")
+    dialect.acquire(GrantRequest("k", 30, "a", "t1", "task"))
     token, current = 1, 1
     if case == "released":
-        dialect.release("k", 1, "a", "t1")
+        dialect.release(Ending("k", 1, "a", "t1"))
     elif case == "expired":
         expire(alias, "k")
     elif case == "superseded":
         expire(alias, "k")
-        dialect.acquire("k", 30, "b", "t2", "task")
+        dialect.acquire(GrantRequest("k", 30, "b", "t2", "task"))
         current = 2
     key = "nosuch" if case == "unknown key" else "k"
     before = list(Lease.objects.using(alias).values().order_by("id"))
     events = kinds(alias, "k")
     with transaction.atomic(using=alias):
         assert dialect.prove_current(key, token) == (False, None if key == "nosuch" else current)
-        outcome = dialect.release_current(key, token, "a", "t1", "SUCCESS", delivery())
+        outcome = dialect.release_current(Ending(key, token, "a", "t1", "SUCCESS", delivery()))
     if case == "expired":
         assert outcome == (True, 1)
         assert Lease.objects.using(alias).get(key="k").released_at is not None
@@ -373,7 +386,7 @@ def test_release_current__no_newer_grant_before_the_commit(alias: str) -> None:
     from django.db import transaction
 
     dialect = for_alias(alias)
-    dialect.acquire("k", 30, "a", "t1", "task")
+    dialect.acquire(GrantRequest("k", 30, "a", "t1", "task"))
     outcome: list[Any] = []
 
     def take_over() -> None:
@@ -383,7 +396,7 @@ def test_release_current__no_newer_grant_before_the_commit(alias: str) -> None:
             connections[alias].close()
 
     with transaction.atomic(using=alias):
-        assert dialect.release_current("k", 1, "a", "t1", "SUCCESS") == (True, 1)
+        assert dialect.release_current(Ending("k", 1, "a", "t1", "SUCCESS")) == (True, 1)
         other = threading.Thread(target=take_over)
         other.start()
         other.join(timeout=0.5)
@@ -399,10 +412,12 @@ def completion(alias: str, done: Delivery, state: str = "SUCCESS", key: str = ""
 
     dialect = for_alias(alias)
     key = key or f"done:{done.task_id}:{state}:{done.retries}"
-    granted = dialect.acquire(key, 30, "w", done.task_id, "task")
+    granted = dialect.acquire(GrantRequest(key, 30, "w", done.task_id, "task"))
     assert isinstance(granted, Grant)
     with transaction.atomic(using=alias):
-        assert dialect.release_current(key, granted.token, "w", done.task_id, state, done)[0]
+        assert dialect.release_current(Ending(key, granted.token, "w", done.task_id, state, done))[
+            0
+        ]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
@@ -441,7 +456,7 @@ def test_acquire__completed_job_is_not_granted_in_the_same_statement(
     dialect = for_alias(alias, portable=portable)
     before = kinds(alias, "job")
     outcome = dialect.acquire(
-        "job", 30, "a", "t1", "task", None, delivery("t1", delivered, digest), 3600
+        GrantRequest("job", 30, "a", "t1", "task", None, delivery("t1", delivered, digest), 3600)
     )
     if duplicate:
         assert outcome == Completed("t1", delivered)
@@ -450,9 +465,10 @@ def test_acquire__completed_job_is_not_granted_in_the_same_statement(
         assert isinstance(outcome, Grant)
         assert kinds(alias, "job")[len(before) :][0][0] in ("acquired",)
     # without a delivery (or without a task id) nothing is checked
-    assert isinstance(dialect.acquire("free1", 30, "a", "t1", "task"), Grant)
+    assert isinstance(dialect.acquire(GrantRequest("free1", 30, "a", "t1", "task")), Grant)
     assert isinstance(
-        dialect.acquire("free2", 30, "a", "", "task", None, delivery(""), 3600), Grant
+        dialect.acquire(GrantRequest("free2", 30, "a", "", "task", None, delivery(""), 3600)),
+        Grant,
     )
 
 
@@ -464,28 +480,31 @@ def test_acquire__completion_older_than_the_duplicate_window_is_not_a_duplicate(
     completion(alias, delivery(), key="job" if same_key else "")
     dialect = for_alias(alias, portable=portable)
     assert isinstance(
-        dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600), Completed
+        dialect.acquire(GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 3600)),
+        Completed,
     )
     # ten minutes later, with a window of five
     past = dt.timedelta(minutes=10)
     Lease.objects.using(alias).update(completed_at=F("completed_at") - past)
     LeaseEvent.objects.using(alias).update(at=F("at") - past)
-    assert isinstance(dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 300), Grant)
+    assert isinstance(
+        dialect.acquire(GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 300)), Grant
+    )
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_acquire__completed_duplicate_of_a_held_key_is_a_duplicate_not_busy(
     alias: str, portable: bool
 ) -> None:
-    from celery_fenced.dialects import Holder
+    from celery_fenced.store.dialects import Holder
 
     completion(alias, delivery())
     dialect = for_alias(alias, portable=portable)
-    dialect.acquire("job", 30, "holder", "t2", "task", None, delivery("t2"), 3600)
-    assert dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600) == Completed(
-        "t1", 0
-    )
-    busy = dialect.acquire("job", 30, "a", "t3", "task", None, delivery("t3"), 3600)
+    dialect.acquire(GrantRequest("job", 30, "holder", "t2", "task", None, delivery("t2"), 3600))
+    assert dialect.acquire(
+        GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 3600)
+    ) == Completed("t1", 0)
+    busy = dialect.acquire(GrantRequest("job", 30, "a", "t3", "task", None, delivery("t3"), 3600))
     assert isinstance(busy, Holder)
     assert busy.owner == "holder"
     assert kinds(alias, "job") == [("acquired", 1), ("busy", 1)]
@@ -505,18 +524,19 @@ def test_acquire__completion_committing_while_the_duplicate_waits_is_seen(
     from django.db import transaction
 
     dialect = for_alias(alias, portable=portable)
-    dialect.acquire("job", 30, "a", "t1", "task", None, delivery(), 3600)
+    dialect.acquire(GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 3600))
     outcome: list[Any] = []
 
     def duplicate() -> None:
         try:
             other = for_alias(alias, portable=portable)
-            outcome.append(other.acquire("job", 30, "b", "t1", "task", None, delivery(), 3600))
+            request = GrantRequest("job", 30, "b", "t1", "task", None, delivery(), 3600)
+            outcome.append(other.acquire(request))
         finally:
             connections[alias].close()
 
     with transaction.atomic(using=alias):
-        assert dialect.release_current("job", 1, "a", "t1", "SUCCESS", delivery())[0]
+        assert dialect.release_current(Ending("job", 1, "a", "t1", "SUCCESS", delivery()))[0]
         thread = threading.Thread(target=duplicate)
         thread.start()
         wait_until_blocked(alias, thread)

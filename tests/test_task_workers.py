@@ -277,7 +277,7 @@ def test_pause_past_ttl_without_successor__job_retried_and_completes(
     key = f"report:{report.pk}"
     first = wait_for(lambda: Lease.objects.using(alias).filter(key=key).first(), 30, "grant")
     worker.pause()
-    from celery_fenced.dialects import for_alias
+    from celery_fenced.store.dialects import for_alias
 
     wait_for(
         lambda: for_alias(alias).now() > Lease.objects.using(alias).get(key=key).expires_at,

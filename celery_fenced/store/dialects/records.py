@@ -10,11 +10,29 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 from django_celery_results.models import TaskResult
 
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Lease, LeaseEvent, ReclaimState
 
 LEASE = Lease._meta.db_table
 EVENT = LeaseEvent._meta.db_table
 RESULT = TaskResult._meta.db_table
+
+
+def _literal(value: str) -> str:
+    """``value`` as an SQL string literal: for the enums' own values, never for input."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+#: the event kinds and reclaim states the SQL dialects write, as SQL literals
+SQL_KIND = {kind: _literal(kind.value) for kind in LeaseEvent.Kind}
+SQL_STATE = {state: _literal(state.value) for state in ReclaimState}
+SQL_ACQUIRED = SQL_KIND[LeaseEvent.Kind.ACQUIRED]
+SQL_RECLAIMED = SQL_KIND[LeaseEvent.Kind.RECLAIMED]
+SQL_RELEASED = SQL_KIND[LeaseEvent.Kind.RELEASED]
+SQL_BUSY = SQL_KIND[LeaseEvent.Kind.BUSY]
+SQL_FORCE_RELEASED = SQL_KIND[LeaseEvent.Kind.FORCE_RELEASED]
+SQL_ABANDONED = SQL_KIND[LeaseEvent.Kind.ABANDONED]
+SQL_STATE_RESENT = SQL_STATE[ReclaimState.RESENT]
+SQL_STATE_ABANDONED = SQL_STATE[ReclaimState.ABANDONED]
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,36 @@ class Delivery:
     retries: int
 
 
+@dataclass(frozen=True)
+class GrantRequest:
+    """What a grant asks for: the key, for how long, for whom, and the job behind it.
+
+    ``job`` is the encoded message the reclaimer re-sends if the grant expires unfinished;
+    with a ``delivery`` nothing is granted when its job completed within ``window`` seconds.
+    """
+
+    key: str
+    ttl: float
+    owner: str
+    task_id: str
+    task_name: str
+    job: str | None = None
+    delivery: Delivery | None = None
+    window: float = 0.0
+
+
+@dataclass(frozen=True)
+class Ending:
+    """The end of one grant: whose it is, the state it ends in, the delivery it ends."""
+
+    key: str
+    token: int
+    owner: str
+    task_id: str
+    state: str = ""
+    delivery: Delivery | None = None
+
+
 #: the release state of an execution that replaced itself (``Task.replace``): the
 #: replacement, sent in the same transaction, does the rest of the job
 REPLACED = "REPLACED"
@@ -64,7 +112,7 @@ REPLACED = "REPLACED"
 #: RETRY release comes after the retry message (retries + 1) was sent, so only that one,
 #: not a copy of this attempt's message, runs the job on
 COMPLETED_STATES = ("SUCCESS", "FAILURE", REPLACED, "RETRY")
-COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE', 'REPLACED', 'RETRY')"
+COMPLETED_STATES_SQL = "(" + ", ".join(f"'{state}'" for state in COMPLETED_STATES) + ")"
 
 
 @dataclass(frozen=True)

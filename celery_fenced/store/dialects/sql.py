@@ -2,31 +2,37 @@
 
 from __future__ import annotations
 
+import abc
 import datetime as dt
 import json
 from collections.abc import Sequence
 from typing import Any
 
-from celery_fenced.dialects.portable import Dialect
-from celery_fenced.dialects.records import (
+from celery_fenced.store.dialects.orm import PortableOperations
+from celery_fenced.store.dialects.records import (
     COMPLETED_STATES_SQL,
     EVENT,
     LEASE,
+    SQL_RELEASED,
+    SQL_STATE_ABANDONED,
+    SQL_STATE_RESENT,
     Delivery,
+    GrantRequest,
     Renewal,
     aware,
     completes,
 )
 
 
-class SQLDialect(Dialect):
+class SQLDialect(PortableOperations):
     """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
 
     NOW: str
     JSON: str
 
+    @abc.abstractmethod
     def expiry(self, ttl_sql: str) -> str:
-        raise NotImplementedError
+        """SQL for the database's clock plus ``ttl_sql`` seconds."""
 
     def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         with self.connection.cursor() as cursor:
@@ -84,7 +90,7 @@ class SQLDialect(Dialect):
         completed under this key before another job used it since.
         """
         return f"""SELECT 1 FROM {EVENT} e
-                   WHERE e.task_id = %s AND e.kind = 'released'
+                   WHERE e.task_id = %s AND e.kind = {SQL_RELEASED}
                      AND {self.json_text("e.detail", "state")} IN {COMPLETED_STATES_SQL}
                      AND {self.json_int("e.detail", "retries")} >= %s
                      AND {self.json_text("e.detail", "digest")} = %s
@@ -110,11 +116,13 @@ class SQLDialect(Dialect):
     def _marked_params(self, delivery: Delivery, window: float) -> list[Any]:
         return [delivery.digest, delivery.retries, self.ttl_param(window)]
 
+    @abc.abstractmethod
     def json_text(self, column: str, name: str) -> str:
-        raise NotImplementedError
+        """SQL for the text of member ``name`` of the JSON ``column``."""
 
+    @abc.abstractmethod
     def json_int(self, column: str, name: str) -> str:
-        raise NotImplementedError
+        """SQL for member ``name`` of the JSON ``column``, as an integer."""
 
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
         rows = self._fetch(
@@ -128,22 +136,20 @@ class SQLDialect(Dialect):
         )
         return bool(rows)
 
-    def _grant_params(
-        self,
-        key: str,
-        ttl: float,
-        owner: str,
-        task_id: str,
-        task_name: str,
-        job: str | None,
-        delivery: Delivery | None,
-        window: float,
-    ) -> tuple[bool, list[Any]]:
+    def _grant_params(self, request: GrantRequest) -> tuple[bool, list[Any]]:
         """Whether the grant checks for a completed duplicate, and its parameters."""
-        params = [key, owner, task_id, task_name, self.ttl_param(ttl), job]
+        params = [
+            request.key,
+            request.owner,
+            request.task_id,
+            request.task_name,
+            self.ttl_param(request.ttl),
+            request.job,
+        ]
+        delivery = request.delivery
         unless_completed = delivery is not None and bool(delivery.task_id)
         if delivery is not None and unless_completed:
-            params += self._completed_params(delivery, window)
+            params += self._completed_params(delivery, request.window)
         return unless_completed, params
 
     def _completion_sql(self) -> str:
@@ -162,8 +168,9 @@ class SQLDialect(Dialect):
             SELECT id, token, owner, expires_at, {self.remaining("expires_at")} AS remaining
             FROM {LEASE} WHERE key = %s"""
 
+    @abc.abstractmethod
     def remaining(self, column: str) -> str:
-        raise NotImplementedError
+        """SQL for the seconds from the database's clock until ``column``."""
 
     VALUES_ROW = "(%s, %s, %s, %s)"
 
@@ -190,9 +197,9 @@ class SQLDialect(Dialect):
     def ttl_param(self, ttl: float) -> Any:
         return ttl
 
+    @abc.abstractmethod
     def ago(self, seconds_sql: str) -> str:
         """SQL for the database's clock minus ``seconds_sql`` seconds."""
-        raise NotImplementedError
 
     LOCK_SKIP = ""
 
@@ -205,14 +212,14 @@ class SQLDialect(Dialect):
         """
         eligible = f"""released_at IS NULL AND job IS NOT NULL
                 AND expires_at < {self.ago("%s")}
-                AND (reclaim_state = '' OR (reclaim_state = 'resent'
+                AND (reclaim_state = '' OR (reclaim_state = {SQL_STATE_RESENT}
                      AND reclaim_claimed_at < {self.ago("%s")}))"""
         sql = f"""
             UPDATE {LEASE} SET
                 reclaim_attempts = CASE WHEN reclaim_attempts < %s
                                    THEN reclaim_attempts + 1 ELSE reclaim_attempts END,
                 reclaim_state = CASE WHEN reclaim_attempts < %s
-                                THEN 'resent' ELSE 'abandoned' END,
+                                THEN {SQL_STATE_RESENT} ELSE {SQL_STATE_ABANDONED} END,
                 reclaim_claimed_at = {self.NOW}
             WHERE id IN (SELECT id FROM {LEASE} WHERE {eligible}
                          ORDER BY expires_at LIMIT %s {self.LOCK_SKIP})

@@ -7,21 +7,25 @@ from typing import Any
 
 from django.db import transaction
 
-from celery_fenced.dialects.records import (
+from celery_fenced.models import LeaseEvent, ReclaimState
+from celery_fenced.store.dialects.records import (
     EVENT,
     LEASE,
     RESULT,
     Claim,
     Completed,
-    Delivery,
+    Ending,
     Grant,
+    GrantRequest,
     Holder,
     abandoned_detail,
     aware,
     holder_of,
     released_detail,
 )
-from celery_fenced.dialects.sql import SQLDialect
+from celery_fenced.store.dialects.sql import SQLDialect
+
+Kind = LeaseEvent.Kind
 
 
 class SQLite(SQLDialect):
@@ -63,10 +67,10 @@ class SQLite(SQLDialect):
             )
             claims = [Claim(*row) for row in rows]
             for claim in claims:
-                if claim.state == "abandoned":
+                if claim.state == ReclaimState.ABANDONED:
                     self._insert_event(
                         claim.lease_id,
-                        "abandoned",
+                        Kind.ABANDONED,
                         claim.token,
                         claim.task_id,
                         claim.owner,
@@ -74,38 +78,36 @@ class SQLite(SQLDialect):
                     )
         return claims
 
-    def acquire(
-        self,
-        key: str,
-        ttl: float,
-        owner: str,
-        task_id: str,
-        task_name: str,
-        job: str | None = None,
-        delivery: Delivery | None = None,
-        window: float = 0.0,
-    ) -> Grant | Holder | Completed:
-        unless_completed, params = self._grant_params(
-            key, ttl, owner, task_id, task_name, job, delivery, window
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        key, owner, task_id, delivery = (
+            request.key,
+            request.owner,
+            request.task_id,
+            request.delivery,
         )
+        unless_completed, params = self._grant_params(request)
         with transaction.atomic(using=self.alias):
             grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
             rows = self._fetch(grant, params)
             if rows:
                 lease_id, token, expires_at, reclaimed_from = rows[0]
                 if reclaimed_from:
-                    kind = "reclaimed"
+                    kind = Kind.RECLAIMED
                     detail = {"previous_owner": reclaimed_from, "previous_token": token - 1}
                 else:
-                    kind, detail = "acquired", {}
+                    kind, detail = Kind.ACQUIRED, {}
                 self._insert_event(lease_id, kind, token, task_id, owner, detail)
                 return Grant(lease_id, token, aware(expires_at), reclaimed_from)
-            if delivery is not None and unless_completed and self.completed(key, delivery, window):
+            if (
+                delivery is not None
+                and unless_completed
+                and self.completed(key, delivery, request.window)
+            ):
                 return Completed(task_id, delivery.retries)
             rows = self._fetch(self._busy_select(), [key])
             if rows:
                 self._insert_event(
-                    rows[0][0], "busy", rows[0][1], task_id, owner, {"holder": rows[0][2]}
+                    rows[0][0], Kind.BUSY, rows[0][1], task_id, owner, {"holder": rows[0][2]}
                 )
             return holder_of([row[1:] for row in rows])
 
@@ -124,15 +126,9 @@ class SQLite(SQLDialect):
             [lease_id, kind, token, task_id, owner, json.dumps(detail)],
         )
 
-    def release(
-        self,
-        key: str,
-        token: int,
-        owner: str,
-        task_id: str,
-        state: str = "",
-        delivery: Delivery | None = None,
-    ) -> bool:
+    def release(self, ending: Ending) -> bool:
+        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
         completion = self._completion_sql() if marker else ""
         with transaction.atomic(using=self.alias):
@@ -144,7 +140,7 @@ class SQLite(SQLDialect):
             )
             if rows:
                 detail = released_detail(state, delivery)
-                self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
+                self._insert_event(rows[0][0], Kind.RELEASED, token, task_id, owner, detail)
             return bool(rows)
 
     def force_release(
@@ -166,7 +162,7 @@ class SQLite(SQLDialect):
             if not rows:
                 return None
             lease_id, token, owner, task_id = rows[0]
-            self._insert_event(lease_id, "force_released", token, task_id, owner, {"by": by})
+            self._insert_event(lease_id, Kind.FORCE_RELEASED, token, task_id, owner, {"by": by})
             return token, owner
 
     def lock_for_result(self, task_id: str) -> None:
@@ -189,20 +185,14 @@ class SQLite(SQLDialect):
             return True, token
         return False, self._current_token(key)
 
-    def release_current(
-        self,
-        key: str,
-        token: int,
-        owner: str,
-        task_id: str,
-        state: str = "",
-        delivery: Delivery | None = None,
-    ) -> tuple[bool, int | None]:
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
         """One conditional ``UPDATE`` (it takes the write lock), then its event.
 
         As on PostgreSQL, a grant that expired with no successor is still accepted. The
         update takes SQLite's write lock, which is also ``task_id``'s result lock.
         """
+        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
         completion = self._completion_sql() if marker else ""
         rows = self._fetch(
@@ -214,5 +204,8 @@ class SQLite(SQLDialect):
         if not rows:
             return False, self._current_token(key)
         detail = released_detail(state, delivery)
-        self._insert_event(rows[0][0], "released", token, task_id, owner, detail)
+        self._insert_event(rows[0][0], Kind.RELEASED, token, task_id, owner, detail)
         return True, token
+
+    def estimated_rows(self, table: str) -> int | None:
+        return None  # SQLite keeps no estimate: the count is exact

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import json
 
-from celery_fenced.dialects.records import (
+from celery_fenced.store.dialects.records import (
     EVENT,
     LEASE,
+    SQL_ABANDONED,
+    SQL_ACQUIRED,
+    SQL_BUSY,
+    SQL_FORCE_RELEASED,
+    SQL_RECLAIMED,
+    SQL_RELEASED,
+    SQL_STATE_ABANDONED,
     TOO_MANY,
     Claim,
     Completed,
-    Delivery,
+    Ending,
     Grant,
+    GrantRequest,
     Holder,
     aware,
     holder_of,
     released_detail,
 )
-from celery_fenced.dialects.sql import SQLDialect
+from celery_fenced.store.dialects.sql import SQLDialect
 
 
 def result_lock(task_id: str) -> str:
@@ -68,10 +76,10 @@ class PostgreSQL(SQLDialect):
             f"""WITH c AS ({claim_sql}),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'abandoned', token, task_id, owner, statement_timestamp(),
+                    SELECT id, {SQL_ABANDONED}, token, task_id, owner, statement_timestamp(),
                            jsonb_build_object('task', task_name, 'attempts', reclaim_attempts,
                                               'max', %s::int, 'reason', %s::text)
-                    FROM c WHERE reclaim_state = 'abandoned')
+                    FROM c WHERE reclaim_state = {SQL_STATE_ABANDONED})
                 SELECT * FROM c""",
             [
                 *self._claim_params(grace, resend_after, max_attempts, limit),
@@ -81,26 +89,21 @@ class PostgreSQL(SQLDialect):
         )
         return [Claim(*row) for row in rows]
 
-    def acquire(
-        self,
-        key: str,
-        ttl: float,
-        owner: str,
-        task_id: str,
-        task_name: str,
-        job: str | None = None,
-        delivery: Delivery | None = None,
-        window: float = 0.0,
-    ) -> Grant | Holder | Completed:
-        unless_completed, params = self._grant_params(
-            key, ttl, owner, task_id, task_name, job, delivery, window
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        key, owner, task_id, delivery = (
+            request.key,
+            request.owner,
+            request.task_id,
+            request.delivery,
         )
+        unless_completed, params = self._grant_params(request)
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
         rows = self._fetch(
             f"""WITH granted AS ({grant}),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, CASE WHEN reclaimed_from = '' THEN 'acquired' ELSE 'reclaimed' END,
+                    SELECT id, CASE WHEN reclaimed_from = ''
+                                    THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
                            token, %s, %s, statement_timestamp(),
                            CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
                            jsonb_build_object('previous_owner', reclaimed_from,
@@ -113,13 +116,17 @@ class PostgreSQL(SQLDialect):
             lease_id, token, expires_at, reclaimed_from = rows[0]
             return Grant(lease_id, token, aware(expires_at), reclaimed_from)
         # not granted (rare): a completed duplicate, or the key is held
-        if delivery is not None and unless_completed and self.completed(key, delivery, window):
+        if (
+            delivery is not None
+            and unless_completed
+            and self.completed(key, delivery, request.window)
+        ):
             return Completed(task_id, delivery.retries)
         rows = self._fetch(
             f"""WITH holder AS ({self._busy_select()}),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'busy', token, %s, %s, statement_timestamp(),
+                    SELECT id, {SQL_BUSY}, token, %s, %s, statement_timestamp(),
                            jsonb_build_object('holder', owner)
                     FROM holder)
                 SELECT token, owner, expires_at, remaining FROM holder""",
@@ -127,15 +134,9 @@ class PostgreSQL(SQLDialect):
         )
         return holder_of(rows)
 
-    def release(
-        self,
-        key: str,
-        token: int,
-        owner: str,
-        task_id: str,
-        state: str = "",
-        delivery: Delivery | None = None,
-    ) -> bool:
+    def release(self, ending: Ending) -> bool:
+        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
         completion = self._completion_sql() if marker else ""
         rows = self._fetch(
@@ -146,7 +147,7 @@ class PostgreSQL(SQLDialect):
                     RETURNING id, token),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
+                    SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
                     FROM r)
                 SELECT token FROM r""",
             [
@@ -173,7 +174,7 @@ class PostgreSQL(SQLDialect):
                     RETURNING id, token, owner, task_id),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'force_released', token, task_id, owner, statement_timestamp(),
+                    SELECT id, {SQL_FORCE_RELEASED}, token, task_id, owner, statement_timestamp(),
                            jsonb_build_object('by', %s::text)
                     FROM r)
                 SELECT token, owner FROM r""",
@@ -203,15 +204,7 @@ class PostgreSQL(SQLDialect):
         current, live = rows[0]
         return (current == token and bool(live)), current
 
-    def release_current(
-        self,
-        key: str,
-        token: int,
-        owner: str,
-        task_id: str,
-        state: str = "",
-        delivery: Delivery | None = None,
-    ) -> tuple[bool, int | None]:
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
         """One conditional ``UPDATE`` (it locks the row) with its event: proof and release.
 
         A grant that expired with no successor (still the key's token, never released)
@@ -219,6 +212,8 @@ class PostgreSQL(SQLDialect):
         so until the result commits. The same statement takes ``task_id``'s result lock
         (see :meth:`lock_for_result`).
         """
+        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
         completion = self._completion_sql() if marker else ""
         rows = self._fetch(
@@ -229,7 +224,7 @@ class PostgreSQL(SQLDialect):
                     RETURNING id, token),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, 'released', token, %s, %s, statement_timestamp(), %s::jsonb
+                    SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
                     FROM r),
                 lk AS (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)) FROM r)
                 SELECT r.token FROM r, lk""",

@@ -1,0 +1,92 @@
+"""The lease store: the only code that talks to the lease tables.
+
+Acquire, renew, release, force-release and guard, and the named operations the rest of
+the package needs (prove a result write, renew many, claim expired grants, record a
+duplicate). Its dialects (:mod:`celery_fenced.store.dialects`) are private to it; a test
+(``tests/test_boundaries.py``) checks that nothing else imports them.
+
+Usable without Celery::
+
+    lease = acquire("report:42", ttl=30)
+    with lease.guard():
+        Report.objects.filter(pk=42).update(...)
+    lease.release()
+"""
+
+from __future__ import annotations
+
+from celery_fenced.store.dialects.records import REPLACED, Claim, Delivery
+from celery_fenced.store.fenced import (
+    Refused,
+    fenced_transaction,
+    in_guard,
+    in_guard_of_token,
+    lock_for_result,
+    prove_for_result,
+    reject_stale,
+    time_limited,
+)
+from celery_fenced.store.grants import (
+    acquire,
+    database_now,
+    estimated_rows,
+    expired_unclaimed,
+    force_release,
+    grant_live_since,
+    grant_of,
+    record_duplicate,
+    settle_elsewhere,
+)
+from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many
+from celery_fenced.store.pruning import delete_events_before
+from celery_fenced.store.reclaiming import (
+    abandon,
+    claim_expired,
+    expired_unfinished,
+    record_resent,
+    unclaim,
+)
+from celery_fenced.store.validation import (
+    database_alias,
+    default_owner,
+    validate_key,
+    validate_owner,
+    validate_ttl,
+)
+
+__all__ = [
+    "REPLACED",
+    "UNRENEWED",
+    "Claim",
+    "Delivery",
+    "HeldLease",
+    "Refused",
+    "abandon",
+    "acquire",
+    "claim_expired",
+    "database_alias",
+    "database_now",
+    "default_owner",
+    "delete_events_before",
+    "estimated_rows",
+    "expired_unclaimed",
+    "expired_unfinished",
+    "fenced_transaction",
+    "force_release",
+    "grant_live_since",
+    "grant_of",
+    "in_guard",
+    "in_guard_of_token",
+    "lock_for_result",
+    "prove_for_result",
+    "record_duplicate",
+    "record_resent",
+    "reject_stale",
+    "renew_many",
+    "settle_elsewhere",
+    "time_limited",
+    "unclaim",
+    "validate_key",
+    "validate_owner",
+    "validate_ttl",
+]

@@ -1,0 +1,171 @@
+"""What every database gives the store: the operations its dialects implement.
+
+Every expiry decision is made inside a statement with the database's own clock; no
+worker clock is ever compared with ``expires_at``.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from celery_fenced.store.dialects.records import (
+    Claim,
+    Completed,
+    Delivery,
+    Ending,
+    Grant,
+    GrantRequest,
+    Holder,
+    Renewal,
+)
+
+
+class Dialect(abc.ABC):
+    """The lease store's operations on the database ``alias``."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        return connections[self.alias]
+
+    @abc.abstractmethod
+    def now(self) -> dt.datetime:
+        """The database's clock."""
+
+    # -- grants ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """Grant ``request.key``, or tell who holds it (a ``busy`` event).
+
+        With a ``request.delivery`` whose job already completed within ``request.window``
+        seconds (see :meth:`completed`) nothing is granted: :class:`Completed`, decided
+        under the lease row's lock, so a completion committing meanwhile is seen.
+        """
+
+    @abc.abstractmethod
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        """Extend every lease in ``leases`` still held; return the new expiry of each."""
+
+    @abc.abstractmethod
+    def release(self, ending: Ending) -> bool:
+        """End the grant if it is still held by its owner; whether it was."""
+
+    @abc.abstractmethod
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
+    ) -> tuple[int, str] | None:
+        """End the key's grant (only if it is ``task_id``'s, or ``token``, when given)."""
+
+    # -- fencing ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        """Lock the lease row and tell whether ``token`` is its current, unexpired grant.
+
+        Must run inside a transaction: the lock is held until it ends, so no newer grant
+        can be issued before the caller's writes commit. Returns ``(ok, current_token)``.
+        """
+
+    @abc.abstractmethod
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
+        """Prove the token current and end its grant, in one step; ``(ok, current_token)``.
+
+        The key's token, not released — a grant that expired with no successor is still
+        this execution's (nobody holds a newer token). When it holds, the grant is
+        released and its ``released`` event recorded, and the lease row stays locked
+        until the caller's transaction ends: a write that fails after it rolls the
+        release back too. Must run inside a transaction. It takes the task id's result
+        lock (:meth:`lock_for_result`).
+        """
+
+    @abc.abstractmethod
+    def lock_for_result(self, task_id: str) -> None:
+        """Serialize the result writes of ``task_id`` until the transaction ends.
+
+        The fenced write takes it after proving its token; an untokened write takes it
+        before deciding whether it may write, so the decision and the write are atomic.
+        """
+
+    @abc.abstractmethod
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        """Whether ``token`` is ``key``'s unreleased, unexpired grant held by ``owner``."""
+
+    @abc.abstractmethod
+    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
+        """``(key, token, owner, live)`` of every unreleased grant held for ``task_id``.
+
+        ``live``: not expired by the database's clock.
+        """
+
+    @abc.abstractmethod
+    def expired_unclaimed(self, key: str, token: int) -> bool:
+        """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
+
+    # -- completed duplicates ----------------------------------------------------------
+    @abc.abstractmethod
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        """Whether ``delivery``'s job completed within the last ``window`` seconds.
+
+        Completed: released as SUCCESS, FAILURE, REPLACED or RETRY under its lease, by a
+        delivery of the same task id and message (``digest``) retried at least as often.
+        A delivery whose ``retries`` is above the completed one's is a retry the body
+        asked for before that execution ended: it is not a duplicate. Read from the lease
+        row's marker (the key's last completed job) and from the ``released`` events (jobs
+        completed under the key before another job used it), as far back as ``prune``
+        keeps them.
+        """
+
+    # -- reclaim ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """Claim the expired, unfinished grants that have a job to re-send.
+
+        A grant is claimed once per expiry: the claim sets ``reclaim_state``, which only
+        the next grant clears (or ``resend_after`` seconds, when the re-sent job never
+        started). A claim below ``max_attempts`` counts an attempt and is to be re-sent;
+        one at the maximum abandons the lease with an ``abandoned`` event.
+        """
+
+    @abc.abstractmethod
+    def expired_unfinished(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """What :meth:`claim_expired` would claim now, claiming nothing (a dry run)."""
+
+    @abc.abstractmethod
+    def unclaim(self, claim: Claim) -> bool:
+        """Undo a claim whose job could not be sent, so that the next sweep tries again."""
+
+    @abc.abstractmethod
+    def abandon(self, claim: Claim, reason: str) -> bool:
+        """Abandon a claimed lease whose job cannot be sent again (e.g. unreadable)."""
+
+    @abc.abstractmethod
+    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
+        """The ``resent`` event of a claim whose job was sent again."""
+
+    # -- events and sizes ----------------------------------------------------------------
+    @abc.abstractmethod
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        """Add an event of ``kind`` to ``key``'s history (nothing if the key has no row)."""
+
+    @abc.abstractmethod
+    def estimated_rows(self, table: str) -> int | None:
+        """The planner's estimate of ``table``'s size, where the database keeps one."""

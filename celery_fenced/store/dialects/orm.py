@@ -1,0 +1,484 @@
+"""The ORM's operations: the portable dialect (row locks, any database), and the few
+that every dialect shares (one-row bookkeeping no database does better in SQL)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.db.models.functions import Greatest
+from django_celery_results.models import TaskResult
+
+from celery_fenced.models import Lease, LeaseEvent, ReclaimState
+from celery_fenced.store.dialects.base import Dialect
+from celery_fenced.store.dialects.records import (
+    COMPLETED_STATES,
+    Claim,
+    Completed,
+    Delivery,
+    Ending,
+    Grant,
+    GrantRequest,
+    Holder,
+    Renewal,
+    abandoned_detail,
+    aware,
+    completes,
+    released_detail,
+)
+
+Kind = LeaseEvent.Kind
+
+
+class PortableOperations(Dialect):
+    """Operations every dialect takes from here: small reads and one-row updates of the
+    reclaimer's bookkeeping, where a database's own SQL would gain nothing."""
+
+    def _event(
+        self,
+        lease_id: int,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        at: dt.datetime | None,
+        detail: dict[str, Any],
+    ) -> None:
+        LeaseEvent._default_manager.using(self.alias).create(
+            lease_id=lease_id,
+            kind=kind,
+            token=token,
+            task_id=task_id,
+            owner=owner,
+            at=at or self.now(),
+            detail=detail,
+        )
+
+    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
+        now = self.now()
+        return [
+            (key, token, owner, expires_at > now)
+            for key, token, owner, expires_at in Lease._default_manager.using(self.alias)
+            .filter(task_id=task_id, released_at__isnull=True)
+            .values_list("key", "token", "owner", "expires_at")
+        ]
+
+    def expired_unclaimed(self, key: str, token: int) -> bool:
+        return (
+            Lease._default_manager.using(self.alias)
+            .filter(key=key, token=token, released_at__isnull=True, expires_at__lte=self.now())
+            .exists()
+        )
+
+    def expired_unfinished(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        now = self.now()
+        rows = (
+            Lease._default_manager.using(self.alias)
+            .filter(self._eligible(now, grace, resend_after))
+            .order_by("expires_at")[:limit]
+        )
+        return [
+            Claim(
+                row.pk,
+                row.key,
+                row.token,
+                row.owner,
+                row.task_id,
+                row.task_name,
+                row.job or "",
+                min(row.reclaim_attempts + 1, max_attempts),
+                ReclaimState.RESENT
+                if row.reclaim_attempts < max_attempts
+                else ReclaimState.ABANDONED,
+            )
+            for row in rows
+        ]
+
+    @staticmethod
+    def _eligible(now: dt.datetime, grace: float, resend_after: float) -> Q:
+        return Q(
+            released_at__isnull=True,
+            job__isnull=False,
+            expires_at__lt=now - dt.timedelta(seconds=grace),
+        ) & (
+            Q(reclaim_state="")
+            | Q(
+                reclaim_state=ReclaimState.RESENT,
+                reclaim_claimed_at__lt=now - dt.timedelta(seconds=resend_after),
+            )
+        )
+
+    def unclaim(self, claim: Claim) -> bool:
+        return bool(
+            Lease._default_manager.using(self.alias)
+            .filter(pk=claim.lease_id, token=claim.token, reclaim_state=ReclaimState.RESENT)
+            .update(reclaim_state="", reclaim_attempts=Greatest(F("reclaim_attempts") - 1, 0))
+        )
+
+    def abandon(self, claim: Claim, reason: str) -> bool:
+        with transaction.atomic(using=self.alias):
+            updated = (
+                Lease._default_manager.using(self.alias)
+                .filter(pk=claim.lease_id, token=claim.token, reclaim_state=ReclaimState.RESENT)
+                .update(reclaim_state=ReclaimState.ABANDONED)
+            )
+            if updated:
+                detail = {"task": claim.task_name, "attempts": claim.attempts, "reason": reason}
+                self._event(
+                    claim.lease_id,
+                    Kind.ABANDONED,
+                    claim.token,
+                    claim.task_id,
+                    claim.owner,
+                    None,
+                    detail,
+                )
+        return bool(updated)
+
+    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
+        self._event(
+            claim.lease_id, Kind.RESENT, claim.token, claim.task_id, claim.owner, None, detail
+        )
+
+
+class ORMDialect(PortableOperations):
+    """The portable dialect: transactions with row locks through the ORM, any database."""
+
+    def now(self) -> dt.datetime:
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP")
+            row = cursor.fetchone()
+        return aware(row[0])
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        with transaction.atomic(using=self.alias):
+            manager = Lease._default_manager.using(self.alias)
+            row = manager.select_for_update().filter(key=request.key).first()
+            if (
+                request.delivery is not None
+                and request.delivery.task_id
+                and self.completed(request.key, request.delivery, request.window)
+            ):
+                return Completed(request.task_id, request.delivery.retries)
+            now = self.now()
+            expires = now + dt.timedelta(seconds=request.ttl)
+            if row is None:
+                row = manager.create(
+                    key=request.key,
+                    token=1,
+                    owner=request.owner,
+                    task_id=request.task_id,
+                    task_name=request.task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=expires,
+                    job=request.job,
+                )
+                reclaimed_from = ""
+            elif row.released_at is None and row.expires_at > now:
+                self._event(
+                    row.pk,
+                    Kind.BUSY,
+                    row.token,
+                    request.task_id,
+                    request.owner,
+                    now,
+                    {"holder": row.owner},
+                )
+                return Holder(
+                    row.token, row.owner, row.expires_at, (row.expires_at - now).total_seconds()
+                )
+            else:
+                reclaimed_from = row.owner if row.released_at is None else ""
+                # a re-delivery of the same unfinished task keeps its reclaim count
+                same_job = (
+                    row.released_at is None
+                    and request.task_id != ""
+                    and row.task_id == request.task_id
+                )
+                manager.filter(pk=row.pk).update(
+                    token=F("token") + 1,
+                    owner=request.owner,
+                    task_id=request.task_id,
+                    task_name=request.task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=expires,
+                    released_at=None,
+                    reclaimed_from=reclaimed_from,
+                    job=request.job,
+                    reclaim_attempts=row.reclaim_attempts if same_job else 0,
+                    reclaim_state="",
+                    reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
+                )
+                row.refresh_from_db(fields=["token"])
+            self._grant_event(
+                row.pk, row.token, request.task_id, request.owner, now, reclaimed_from
+            )
+            return Grant(row.pk, row.token, expires, reclaimed_from)
+
+    def _grant_event(
+        self,
+        lease_id: int,
+        token: int,
+        task_id: str,
+        owner: str,
+        now: dt.datetime,
+        reclaimed_from: str,
+    ) -> None:
+        if reclaimed_from:
+            self._event(
+                lease_id,
+                Kind.RECLAIMED,
+                token,
+                task_id,
+                owner,
+                now,
+                {"previous_owner": reclaimed_from, "previous_token": token - 1},
+            )
+        else:
+            self._event(lease_id, Kind.ACQUIRED, token, task_id, owner, now, {})
+
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        renewed: dict[tuple[str, int], dt.datetime] = {}
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            for lease in leases:
+                expires = now + dt.timedelta(seconds=lease.ttl)
+                count = (
+                    Lease._default_manager.using(self.alias)
+                    .filter(
+                        key=lease.key,
+                        token=lease.token,
+                        owner=lease.owner,
+                        released_at__isnull=True,
+                        expires_at__gt=now,
+                    )
+                    .update(renewed_at=now, expires_at=expires)
+                )
+                if count:
+                    renewed[(lease.key, lease.token)] = expires
+        return renewed
+
+    def release(self, ending: Ending) -> bool:
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            row = (
+                manager.select_for_update()
+                .filter(
+                    key=ending.key,
+                    token=ending.token,
+                    owner=ending.owner,
+                    released_at__isnull=True,
+                )
+                .first()
+            )
+            if row is None:
+                return False
+            self._end(
+                row.pk,
+                ending.token,
+                ending.task_id,
+                ending.owner,
+                now,
+                ending.state,
+                ending.delivery,
+            )
+            return True
+
+    def _end(
+        self,
+        lease_id: int,
+        token: int,
+        task_id: str,
+        owner: str,
+        now: dt.datetime,
+        state: str,
+        delivery: Delivery | None,
+    ) -> None:
+        """Release a locked grant, mark its job completed if it is, record the event."""
+        values: dict[str, Any] = {"released_at": now, "job": None}
+        if delivery is not None and completes(state, delivery):
+            values.update(
+                completed_digest=delivery.digest,
+                completed_retries=delivery.retries,
+                completed_at=now,
+            )
+        Lease._default_manager.using(self.alias).filter(pk=lease_id).update(**values)
+        self._event(
+            lease_id, Kind.RELEASED, token, task_id, owner, now, released_detail(state, delivery)
+        )
+
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
+    ) -> tuple[int, str] | None:
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            rows = manager.select_for_update().filter(key=key, released_at__isnull=True)
+            if task_id is not None:
+                rows = rows.filter(task_id=task_id)
+            if token is not None:
+                rows = rows.filter(token=token)
+            row = rows.first()
+            if row is None:
+                return None
+            manager.filter(pk=row.pk).update(released_at=now, job=None)
+            self._event(
+                row.pk, Kind.FORCE_RELEASED, row.token, row.task_id, row.owner, now, {"by": by}
+            )
+            return row.token, row.owner
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        lease_id, current = self._lock_if_current(key, token, self.now())
+        return lease_id is not None, current
+
+    def _lock_if_current(
+        self, key: str, token: int, now: dt.datetime, *, expired_ok: bool = False
+    ) -> tuple[int | None, int | None]:
+        """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
+
+        With ``expired_ok`` an expired grant with no successor counts too. Returns
+        ``(lease id or None, the key's current token or None)``.
+        """
+        row = (
+            Lease._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(key=key)
+            .values_list("pk", "token", "released_at", "expires_at")
+            .first()
+        )
+        if row is None:
+            return None, None
+        lease_id, current, released_at, expires_at = row
+        is_current = current == token and released_at is None and (expired_ok or expires_at > now)
+        return (lease_id if is_current else None), current
+
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
+        now = self.now()
+        lease_id, current = self._lock_if_current(ending.key, ending.token, now, expired_ok=True)
+        if lease_id is None:
+            return False, current
+        self._end(
+            lease_id,
+            ending.token,
+            ending.task_id,
+            ending.owner,
+            now,
+            ending.state,
+            ending.delivery,
+        )
+        self.lock_for_result(ending.task_id)
+        return True, current
+
+    def lock_for_result(self, task_id: str) -> None:
+        list(
+            TaskResult._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(task_id=task_id)
+            .values_list("pk", flat=True)
+        )
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        now = self.now()
+        return (
+            Lease._default_manager.using(self.alias)
+            .filter(
+                key=key, token=token, owner=owner, released_at__isnull=True, expires_at__gt=now
+            )
+            .exists()
+        )
+
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        since = self.now() - dt.timedelta(seconds=window)
+        if (
+            Lease._default_manager.using(self.alias)
+            .filter(
+                key=key,
+                completed_digest=delivery.digest,
+                completed_retries__gte=delivery.retries,
+                completed_at__gt=since,
+            )
+            .exists()
+        ):
+            return True
+        return (
+            LeaseEvent._default_manager.using(self.alias)
+            .filter(
+                task_id=delivery.task_id,
+                kind=LeaseEvent.Kind.RELEASED,
+                detail__state__in=COMPLETED_STATES,
+                detail__retries__gte=delivery.retries,
+                detail__digest=delivery.digest,
+                at__gt=since,
+            )
+            .exists()
+        )
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        claims: list[Claim] = []
+        with transaction.atomic(using=self.alias):
+            now = self.now()
+            manager = Lease._default_manager.using(self.alias)
+            eligible = self._eligible(now, grace, resend_after)
+            skip = self.connection.features.has_select_for_update_skip_locked
+            rows = list(
+                manager.select_for_update(skip_locked=skip)
+                .filter(eligible)
+                .order_by("expires_at")[:limit]
+            )
+            for row in rows:
+                resend = row.reclaim_attempts < max_attempts
+                attempts = row.reclaim_attempts + 1 if resend else row.reclaim_attempts
+                state = ReclaimState.RESENT if resend else ReclaimState.ABANDONED
+                if not manager.filter(eligible, pk=row.pk).update(
+                    reclaim_attempts=attempts, reclaim_state=state, reclaim_claimed_at=now
+                ):
+                    continue
+                claim = Claim(
+                    row.pk,
+                    row.key,
+                    row.token,
+                    row.owner,
+                    row.task_id,
+                    row.task_name,
+                    row.job or "",
+                    attempts,
+                    state,
+                )
+                if not resend:
+                    detail = abandoned_detail(claim, max_attempts)
+                    self._event(
+                        row.pk, Kind.ABANDONED, row.token, row.task_id, row.owner, now, detail
+                    )
+                claims.append(claim)
+        return claims
+
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        lease_id = (
+            Lease._default_manager.using(self.alias)
+            .filter(key=key)
+            .values_list("pk", flat=True)
+            .first()
+        )
+        if lease_id is not None:
+            self._event(lease_id, kind, token, task_id, owner, None, detail)
+
+    def estimated_rows(self, table: str) -> int | None:
+        return None

@@ -1,0 +1,196 @@
+"""Fencing: transactions that prove a token current, and the record of a refused write."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from django.db import connections, transaction
+
+from celery_fenced import signals
+from celery_fenced.context import _guards
+from celery_fenced.exceptions import StaleToken
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store import dialects
+from celery_fenced.store.dialects.records import Ending
+from celery_fenced.store.validation import database_alias
+
+if TYPE_CHECKING:
+    from celery_fenced.store.held import HeldLease
+
+logger = logging.getLogger("celery_fenced.store")
+
+
+def reject_stale(
+    key: str,
+    token: int,
+    current: int | None,
+    *,
+    using: str,
+    task_id: str = "",
+    owner: str = "",
+    what: str = "write",
+) -> StaleToken:
+    """Record, signal and log a refused write; return the :class:`StaleToken` to raise."""
+    logger.warning(
+        "stale %s rejected for %r: token %s, current token %s",
+        what,
+        key,
+        token,
+        current,
+        extra={"lease_key": key, "fencing_token": token, "current_token": current},
+    )
+    try:
+        with transaction.atomic(using=using):
+            dialects.for_alias(using).record_event(
+                key,
+                LeaseEvent.Kind.STALE_WRITE_REJECTED,
+                token,
+                task_id,
+                owner,
+                {"current_token": current, "what": what},
+            )
+    except Exception:
+        logger.info("could not record the stale_write_rejected event", exc_info=True)
+    signals.send(
+        signals.stale_write_rejected,
+        Lease,
+        key=key,
+        token=token,
+        owner=owner,
+        task_id=task_id,
+        current=current,
+    )
+    return StaleToken(key, token, current)
+
+
+class Refused(Exception):
+    """Inside the package: a proof failed; ``current`` is the key's token (or None)."""
+
+    def __init__(self, current: int | None) -> None:
+        self.current = current
+
+
+@contextmanager
+def fenced_transaction(
+    key: str,
+    token: int,
+    *,
+    using: str | None = None,
+    lease: HeldLease | None = None,
+    what: str = "write",
+) -> Iterator[None]:
+    """Open a transaction on the lease database that proves ``token`` current first.
+
+    The refusal is recorded after the transaction has rolled back, so the event stands
+    (unless an outer transaction of the caller's rolls back too).
+    """
+    alias = database_alias(using)
+    try:
+        with transaction.atomic(using=alias):
+            ok, current = dialects.for_alias(alias).prove_current(key, token)
+            if not ok:
+                raise Refused(current)
+            marker = _guards.set((*_guards.get(), (alias, key, token)))
+            try:
+                yield
+            finally:
+                _guards.reset(marker)
+    except Refused as refused:
+        current = refused.current
+        if lease is not None:
+            lease.mark_lost(f"write refused: current token is {current}")
+        raise reject_stale(
+            key,
+            token,
+            current if current != token else None,
+            using=alias,
+            task_id=lease.task_id if lease else "",
+            owner=lease.owner if lease else "",
+            what=what,
+        ) from None
+
+
+def in_guard(key: str, token: int) -> bool:
+    """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
+    return any(k == key and t == token for _, k, t in _guards.get())
+
+
+def in_guard_of_token(token: int) -> bool:
+    """True inside a guard() holding ``token``, whatever its key."""
+    return any(t == token for _, _, t in _guards.get())
+
+
+@contextmanager
+def time_limited(alias: str, seconds: float | None) -> Iterator[None]:
+    """Statements on ``alias`` in this block fail after about ``seconds`` (None: no limit)
+    instead of waiting on a lock held by another connection.
+
+    For the renewer's thread. PostgreSQL: a transaction of its own with a local
+    ``statement_timeout`` (nothing stays on the session, so a transaction pooler is safe;
+    inside a transaction already open there is no limit). SQLite: the busy timeout of this
+    thread's connection (how long a statement waits for another connection's write lock),
+    the longest fixed step within ``seconds``; it stays on that connection, which only
+    the renewer's thread uses. Other databases: no limit.
+    """
+    connection = connections[alias]
+    if seconds is None or connection.vendor not in ("postgresql", "sqlite"):
+        yield
+        return
+    milliseconds = max(1, int(seconds * 1000))
+    if connection.vendor == "sqlite":
+        # a PRAGMA takes no parameters: fixed texts, never a spliced value
+        busy = (
+            "PRAGMA busy_timeout = 10000"
+            if milliseconds >= 10000
+            else "PRAGMA busy_timeout = 5000"
+            if milliseconds >= 5000
+            else "PRAGMA busy_timeout = 2000"
+            if milliseconds >= 2000
+            else "PRAGMA busy_timeout = 1000"
+            if milliseconds >= 1000
+            else "PRAGMA busy_timeout = 500"
+            if milliseconds >= 500
+            else "PRAGMA busy_timeout = 200"
+            if milliseconds >= 200
+            else "PRAGMA busy_timeout = 100"
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(busy)
+        yield
+        return
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic(using=alias):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('statement_timeout', %s, true)", [str(milliseconds)])
+        yield
+
+
+def prove_for_result(
+    lease: HeldLease, task_id: str, status: str, *, releasing: bool
+) -> tuple[bool, int | None]:
+    """Prove ``lease``'s token current for ``task_id``'s result write of ``status``.
+
+    Inside the caller's transaction on ``lease.alias``. ``releasing``: the same statement
+    ends the grant (a final state or RETRY) and marks its job completed, and a write that
+    fails after it rolls the release back too. Either way the task id's result lock is
+    held until the transaction ends. Returns ``(ok, the key's current token)``.
+    """
+    dialect = dialects.for_alias(lease.alias)
+    if releasing:
+        ending = Ending(lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery)
+        ok, current = dialect.release_current(ending)
+    else:
+        ok, current = dialect.prove_current(lease.key, lease.token)
+    if ok and (not releasing or task_id != lease.task_id):
+        dialect.lock_for_result(task_id)  # release_current took lease.task_id's
+    return ok, current
+
+
+def lock_for_result(alias: str, task_id: str) -> None:
+    """Serialize the result writes of ``task_id`` on ``alias`` until the transaction ends."""
+    dialects.for_alias(alias).lock_for_result(task_id)

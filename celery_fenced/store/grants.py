@@ -1,0 +1,223 @@
+"""Grants of a key: acquire, force-release, and what the others ask of a key's grants."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from typing import Any
+
+from celery_fenced import conf, signals
+from celery_fenced.exceptions import AlreadyCompleted, LeaseBusy
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.schema import tables_required
+from celery_fenced.store import dialects
+from celery_fenced.store.dialects.records import Completed, Delivery, GrantRequest, Holder
+from celery_fenced.store.held import HeldLease
+from celery_fenced.store.validation import (
+    database_alias,
+    default_owner,
+    validate_key,
+    validate_owner,
+    validate_ttl,
+)
+
+logger = logging.getLogger("celery_fenced.store")
+
+
+def acquire(
+    key: str,
+    *,
+    ttl: float,
+    owner: str | None = None,
+    task_id: str = "",
+    task_name: str = "",
+    using: str | None = None,
+    renew_interval: float | None = None,
+    job: str | None = None,
+    delivery: Delivery | None = None,
+) -> HeldLease:
+    """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
+
+    One atomic statement grants the lease when the key is free, released or expired
+    (by the database's clock) and issues the next fencing token. ``job`` (the encoded
+    job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
+    statement, so the reclaimer can send it again if the grant expires unfinished.
+
+    ``delivery`` (a task delivery: task id, message digest, retry count) makes the same
+    statement refuse a job that already completed under its lease within
+    ``fenced_duplicate_window``, raising
+    :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
+    :meth:`celery_fenced.store.dialects.Dialect.completed`); a release of this grant as
+    SUCCESS, FAILURE (or REPLACED) marks it completed.
+    """
+    key = validate_key(key)
+    seconds = validate_ttl(ttl)
+    owner = validate_owner(owner) if owner is not None else default_owner()
+    alias = database_alias(using)
+    window = conf.load().duplicate_window if delivery is not None else 0.0
+    sent = time.monotonic()
+    with tables_required(alias):
+        outcome = dialects.for_alias(alias).acquire(
+            GrantRequest(key, seconds, owner, task_id, task_name, job, delivery, window)
+        )
+    if isinstance(outcome, Completed):
+        raise AlreadyCompleted(key, task_id, outcome.retries)
+    if isinstance(outcome, Holder):
+        raise LeaseBusy(
+            key,
+            holder=outcome.owner,
+            token=outcome.token,
+            expires_at=outcome.expires_at,
+            remaining=outcome.remaining,
+        )
+    lease = HeldLease(
+        key=key,
+        token=outcome.token,
+        owner=owner,
+        expires_at=outcome.expires_at,
+        ttl=seconds,
+        alias=alias,
+        task_id=task_id,
+        reclaimed_from=outcome.reclaimed_from,
+        renew_interval=renew_interval,
+        delivery=delivery,
+        confirmed_at=sent,
+    )
+    signals.send(
+        signals.lease_acquired,
+        Lease,
+        key=key,
+        token=lease.token,
+        owner=owner,
+        task_id=task_id,
+        reclaimed_from=outcome.reclaimed_from,
+    )
+    logger.debug("lease acquired", extra=lease._log_extra())
+    return lease
+
+
+def force_release(key: str, *, by: str | None = None, using: str | None = None) -> int | None:
+    """End the current grant on ``key`` and fence its holder out.
+
+    The holder's next renew, guard or result write fails. Returns the token that was
+    ended, or None when nothing was held. The next grant gets a higher token.
+    """
+    key = validate_key(key)
+    alias = database_alias(using)
+    ended = dialects.for_alias(alias).force_release(key, by or "")
+    if ended is None:
+        return None
+    token, owner = ended
+    logger.warning(
+        "lease %r force-released (token %s, holder %s) by %s",
+        key,
+        token,
+        owner,
+        by or "-",
+        extra={"lease_key": key, "fencing_token": token, "lease_owner": owner},
+    )
+    signals.send(
+        signals.lease_released, Lease, key=key, token=token, owner=owner, task_id="", forced=True
+    )
+    return token
+
+
+def settle_elsewhere(
+    task_id: str, *, process: str | None, by: str, using: str | None = None
+) -> bool:
+    """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
+
+    For writes that carry no lease: the worker's main process reporting that the process
+    ``process`` (an owner prefix, ``host:pid:``; None for a delivery that never started)
+    ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
+    before its grant. That process's own live grant of ``task_id`` is ended (force-released:
+    the next grant comes at once, and the old holder stays fenced out); no other grant is.
+    Returns False while another execution holds a grant of ``task_id``: that execution
+    owns the job's outcome, and this report must change nothing. For an execution that
+    ran, any unreleased grant of another process counts (live, or expired and not yet
+    taken over: this one was taken over, so it is stale); for a delivery that never
+    started (``process`` None), only a live one: an expired grant's holder is gone or
+    stale, and the expired message's ``REVOKED`` is the job's outcome until it comes back.
+    """
+    alias = database_alias(using)
+    dialect = dialects.for_alias(alias)
+    others = False
+    for key, token, owner, live in dialect.task_grants(task_id):
+        if process is None and not live:
+            continue
+        if process is not None and owner.startswith(process):
+            ended = dialect.force_release(key, by, task_id=task_id, token=token)
+            if ended is not None:
+                logger.info(
+                    "task %s ended (%s): released its grant of %r (token %s)",
+                    task_id,
+                    by,
+                    key,
+                    token,
+                    extra={"task_id": task_id, "lease_key": key, "fencing_token": token},
+                )
+                signals.send(
+                    signals.lease_released,
+                    Lease,
+                    key=key,
+                    token=token,
+                    owner=owner,
+                    task_id=task_id,
+                    forced=True,
+                )
+        else:
+            others = True
+    return not others
+
+
+def expired_unclaimed(lease: HeldLease) -> bool:
+    """True when ``lease``'s grant expired (by the database's clock) and nobody took over.
+
+    Its token is still the key's, it was never released: the job can be retried at once
+    under the same task id without anyone's work being lost.
+    """
+    return dialects.for_alias(lease.alias).expired_unclaimed(lease.key, lease.token)
+
+
+def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
+    """``(task_id, ended)`` of ``key``'s current or last grant, or None."""
+    row = (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key)
+        .values_list("task_id", "released_at")
+        .first()
+    )
+    return None if row is None else (row[0], row[1] is not None)
+
+
+def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = None) -> bool:
+    """Whether ``key`` is granted to ``task_id``, unreleased, under ``token`` or a newer one.
+
+    Another job's grant of the key does not count: it will never record ``task_id``'s
+    outcome.
+    """
+    return (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key, token__gte=token, task_id=task_id, released_at__isnull=True)
+        .exists()
+    )
+
+
+def record_duplicate(
+    key: str, task_id: str, owner: str, detail: dict[str, Any], *, using: str | None = None
+) -> None:
+    """The ``duplicate`` event of a delivery skipped because its job already completed."""
+    dialects.for_alias(database_alias(using)).record_event(
+        key, LeaseEvent.Kind.DUPLICATE, None, task_id, owner, detail
+    )
+
+
+def database_now(using: str | None = None) -> dt.datetime:
+    """The lease database's clock."""
+    return dialects.for_alias(database_alias(using)).now()
+
+
+def estimated_rows(alias: str, table: str) -> int | None:
+    """The planner's estimate of ``table``'s size on ``alias``, where it keeps one."""
+    return dialects.for_alias(alias).estimated_rows(table)

@@ -1,0 +1,60 @@
+"""Names and limits of a lease: its key, its owner, its ttl, the database it lives in."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+from django.db import router
+
+from celery_fenced import conf
+from celery_fenced.exceptions import FencedError
+from celery_fenced.models import KEY_MAX_LENGTH, OWNER_MAX_LENGTH, Lease
+
+
+def database_alias(using: str | None = None) -> str:
+    """The database alias of the lease table: ``using``, ``fenced_database`` or the router's."""
+    if using is not None:
+        return using
+    configured = conf.load().database
+    return configured or router.db_for_write(Lease)
+
+
+def default_owner() -> str:
+    """``host:pid:thread:random`` — unique per call, readable in the admin."""
+    return (
+        f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident() % 100000}:"
+        f"{uuid.uuid4().hex[:8]}"
+    )
+
+
+def validate_key(key: object) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty string, got {key!r}")
+    if len(key) > KEY_MAX_LENGTH:
+        raise ValueError(
+            f"key must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
+        )
+    if "\x00" in key:
+        raise ValueError(
+            f"key must not contain NUL characters ('\\x00'; PostgreSQL cannot store them), "
+            f"got {key[:40]!r}"
+        )
+    return key
+
+
+def validate_owner(owner: object) -> str:
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty string, got {owner!r}")
+    if len(owner) > OWNER_MAX_LENGTH:
+        raise ValueError(f"owner must be at most {OWNER_MAX_LENGTH} characters, got {len(owner)}")
+    return owner
+
+
+def validate_ttl(ttl: object) -> float:
+    try:
+        return conf.validate_ttl(ttl, "ttl")
+    except FencedError as exc:
+        raise ValueError(str(exc)) from None
