@@ -8,9 +8,9 @@ from celery_fenced.context import current_lease
 from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
 
 if TYPE_CHECKING:
+    from celery_fenced.execution import FencedTask
     from celery_fenced.fencing import FencingTokenField, fenced_update
     from celery_fenced.store import HeldLease, acquire, force_release
-    from celery_fenced.task import FencedTask
 
 __version__ = "0.1.0"
 
@@ -32,7 +32,7 @@ __all__ = [
 # ``from celery_fenced import FencedTask`` works in a Celery module loaded before
 # ``django.setup()``.
 _LAZY = {
-    "FencedTask": "celery_fenced.task",
+    "FencedTask": "celery_fenced.execution",
     "FencingTokenField": "celery_fenced.fencing",
     "fenced_update": "celery_fenced.fencing",
     "HeldLease": "celery_fenced.store",

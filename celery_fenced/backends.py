@@ -9,7 +9,7 @@
   row's ``meta``.
 - What the outcome drives happens inside that transaction, after the proof, or not at
   all (R4): the ``link`` callbacks and the next chain step (which Celery's tracer would
-  send before storing the result: :class:`~celery_fenced.task.FencedTask` hands them to
+  send before storing the result: :class:`~celery_fenced.execution.FencedTask` hands them to
   the backend), the chord count, the chain successors marked failed and the errbacks.
 - A stale execution's outcome is never stored as the task's result (R2): when the newer
   grant belongs to the same task id nothing is written; otherwise the task is stored as
@@ -378,7 +378,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
     # -- untokened writes -----------------------------------------------------------------
     def _is_fenced(self, request: Any) -> bool:
         """Whether ``request``'s task is (or may be) fenced: then its writes are checked."""
-        from celery_fenced.task import FencedExecution
+        from celery_fenced.execution import FencedExecution
 
         name = getattr(request, "task", None) if request is not None else None
         task = self.app.tasks.get(name) if isinstance(name, str) else None

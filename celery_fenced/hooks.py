@@ -1,7 +1,7 @@
 """Config-driven fencing: tasks named in ``fenced_tasks`` are fenced without code changes.
 
 The receivers only *install* fencing (they give a selected task the class behaviour of
-:class:`~celery_fenced.task.FencedTask`); the fencing itself runs in the task's
+:class:`~celery_fenced.execution.FencedTask`); the fencing itself runs in the task's
 ``__call__``, because Celery logs and swallows exceptions raised by signal receivers.
 """
 
@@ -42,7 +42,7 @@ def fence_configured_tasks(app: Any) -> list[str]:
     invalid settings.
     """
     from celery_fenced import conf, keys
-    from celery_fenced.task import FencedExecution
+    from celery_fenced.execution import FencedExecution
 
     settings = conf.load(app)
     fenced = []
@@ -77,8 +77,8 @@ def validate_fenced_tasks(app: Any) -> bool:
     global ``fenced_renew_interval`` not shorter than one task's ``lease_ttl``) stops the
     worker at start, naming the task, instead of failing each execution; give each the
     fenced worker request over its own. Returns whether the app has any fenced task."""
+    from celery_fenced.execution import FencedExecution
     from celery_fenced.requests import fence_request_class
-    from celery_fenced.task import FencedExecution
 
     fenced = [task for task in list(app.tasks.values()) if isinstance(task, FencedExecution)]
     for task in fenced:
@@ -94,9 +94,9 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def fenced_class(cls: type) -> type:
-    """``cls`` with :class:`~celery_fenced.task.FencedExecution` mixed in (cached)."""
+    """``cls`` with :class:`~celery_fenced.execution.FencedExecution` mixed in (cached)."""
+    from celery_fenced.execution import FencedExecution
     from celery_fenced.requests import request_class_for
-    from celery_fenced.task import FencedExecution
 
     if cls not in _classes:
         _classes[cls] = type(

@@ -17,15 +17,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import shared_task
 from kombu import serialization
 
 if TYPE_CHECKING:
-    from celery import Celery
+    from collections.abc import Mapping, Sequence
+
+    from celery import Celery, Task
+    from celery.app.task import Context
 
     from celery_fenced import store
+
+
+class RunningTask(Protocol):
+    """What the reclaimer reads of a task that is running: its name, app and request."""
+
+    name: str
+    app: Celery
+    request: Any
+
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +137,7 @@ def decode_job(text: str) -> Job:
     return Job(task, args, kwargs, options)
 
 
-def job_for(task: Any, args: Any, kwargs: Any) -> str | None:
+def job_for(task: RunningTask, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
     """The job of the execution running ``task`` now, encoded; None if it cannot be re-sent.
 
     Eager and direct calls have no message to send again. Arguments that JSON cannot
@@ -148,7 +160,7 @@ def job_for(task: Any, args: Any, kwargs: Any) -> str | None:
         return None
 
 
-def _options(task: Any, request: Any) -> dict[str, Any]:
+def _options(task: RunningTask, request: Context) -> dict[str, Any]:
     options: dict[str, Any] = {}
     info = request.delivery_info or {}
     exchange, routing_key = info.get("exchange"), info.get("routing_key")
@@ -172,7 +184,7 @@ def _options(task: Any, request: Any) -> dict[str, Any]:
     return options
 
 
-def _queue_name(app: Any, exchange: str | None, routing_key: str | None) -> str | None:
+def _queue_name(app: Celery, exchange: str | None, routing_key: str | None) -> str | None:
     """The name of the queue the message came from, as this app knows its queues."""
     if not routing_key:
         return None
@@ -190,7 +202,7 @@ def _queue_name(app: Any, exchange: str | None, routing_key: str | None) -> str 
 
 # -- the reclaimer -----------------------------------------------------------------------
 def reclaim_expired(
-    app: Any = None,
+    app: Celery | None = None,
     *,
     grace: float | None = None,
     using: str | None = None,
@@ -329,6 +341,6 @@ def _preview(
 
 
 @shared_task(name="celery_fenced.reclaim", bind=True, ignore_result=True)
-def reclaim_task(self: Any) -> int:
+def reclaim_task(self: Task[Any, Any]) -> int:
     """The periodic reclaimer: ``{"task": "celery_fenced.reclaim", "schedule": 5.0}``."""
     return sum(1 for o in reclaim_expired(self.app) if o.action == "resent")

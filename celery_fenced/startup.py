@@ -87,7 +87,7 @@ def fenced_tasks(app: Any) -> list[FencedTaskInfo]:
     the settings (say a global ``fenced_renew_interval`` not below its ``lease_ttl``).
     """
     from celery_fenced import keys
-    from celery_fenced.task import FencedExecution
+    from celery_fenced.execution import FencedExecution
 
     settings = conf.load(app)
     found = []

@@ -8,7 +8,7 @@ import pytest
 from django.core import checks
 
 from celery_fenced.checks import check_settings
-from celery_fenced.task import FencedTask
+from celery_fenced.execution import FencedTask
 
 from .test_hooks import fresh_app
 

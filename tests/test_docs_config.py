@@ -116,7 +116,7 @@ def test_docs_config__every_settings_table_agrees_with_the_code() -> None:
 
 
 def test_docs_config__every_task_option_is_documented() -> None:
-    from celery_fenced.task import FencedTask
+    from celery_fenced.execution import FencedTask
 
     rows = table("Task options")
     names = [code(row["option"]) for row in rows]

@@ -8,8 +8,8 @@ import pytest
 from celery import Celery
 
 from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.execution import FencedExecution, FencedTask
 from celery_fenced.hooks import fence_configured_tasks
-from celery_fenced.task import FencedExecution, FencedTask
 
 
 def fresh_app(**conf: Any) -> Celery:

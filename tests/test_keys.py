@@ -10,9 +10,9 @@ import pytest
 from celery import Celery
 
 from celery_fenced.exceptions import FencedConfigurationError, FencedError
+from celery_fenced.execution import FencedTask
 from celery_fenced.keys import check_template, default_key, named_arguments, render_key
 from celery_fenced.models import KEY_MAX_LENGTH
-from celery_fenced.task import FencedTask
 
 
 def rebuild(report_id: int, part: str = "all", **extra: Any) -> None:

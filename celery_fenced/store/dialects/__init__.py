@@ -12,7 +12,7 @@ from __future__ import annotations
 from django.db import connections
 
 from celery_fenced.store.dialects.base import Dialect
-from celery_fenced.store.dialects.orm import ORMDialect, PortableOperations
+from celery_fenced.store.dialects.orm import ORMDialect
 from celery_fenced.store.dialects.postgresql import PostgreSQL
 from celery_fenced.store.dialects.records import (
     EVENT,
@@ -26,6 +26,7 @@ from celery_fenced.store.dialects.records import (
     Holder,
     Renewal,
 )
+from celery_fenced.store.dialects.shared import PortableOperations
 from celery_fenced.store.dialects.sql import SQLDialect
 from celery_fenced.store.dialects.sqlite import SQLite
 

@@ -8,7 +8,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from celery_fenced.store.dialects.orm import PortableOperations
 from celery_fenced.store.dialects.records import (
     COMPLETED_STATES_SQL,
     EVENT,
@@ -22,6 +21,7 @@ from celery_fenced.store.dialects.records import (
     aware,
     completes,
 )
+from celery_fenced.store.dialects.shared import PortableOperations
 
 
 class SQLDialect(PortableOperations):

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import operator
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from celery import Task, states
+from billiard.einfo import ExceptionInfo
+from celery import Celery, Signature, Task, states
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -20,11 +20,13 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from celery_fenced import conf, context, keys, outages, workflow
 from celery_fenced.exceptions import (
     AlreadyCompleted,
-    FencedConfigurationError,
     LeaseBusy,
     LeaseLost,
     StaleToken,
 )
+
+if TYPE_CHECKING:
+    from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class FencedExecution:
     the ``fenced_tasks`` setting get them from there (``_fenced_config``).
     """
 
-    lease_key: Any = None
+    lease_key: str | Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None
     lease_ttl: float | None = None
     lease_on_busy: str | None = None
     lease_renew_interval: float | None = None
@@ -53,7 +55,7 @@ class FencedExecution:
 
     name: str
     request: Any
-    app: Any
+    app: Celery
     run: Any
 
     # -- options ---------------------------------------------------------------------
@@ -101,7 +103,7 @@ class FencedExecution:
         )
 
     @property
-    def lease(self) -> Any:
+    def lease(self) -> HeldLease | None:
         """The held-lease handle of the execution running in this thread (or None)."""
         return getattr(self.request, "_fenced_lease", None)
 
@@ -176,7 +178,7 @@ class FencedExecution:
         with self._proven():
             return super().retry(*args, **kwargs)  # type: ignore[misc]
 
-    def replace(self, sig: Any) -> Any:
+    def replace(self, sig: Signature) -> Any:
         """Celery's ``replace``, sent only while this execution's token is proven current.
 
         The replacement takes over the task's place in its workflow (callbacks, chain,
@@ -222,9 +224,9 @@ class FencedExecution:
         options: conf.TaskOptions,
         alias: str,
         task_id: str,
-        args: Any,
-        kwargs: Any,
-    ) -> Any:
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> HeldLease:
         """Grant this execution the key (or LeaseBusy); skip a completed duplicate.
 
         The grant statement itself refuses a job that already completed under its lease
@@ -269,7 +271,7 @@ class FencedExecution:
             )
             raise Ignore() from None
 
-    def _on_database_error(self, exc: Exception) -> Any:
+    def _on_database_error(self, exc: Exception) -> NoReturn:
         """The database failed before the grant: try the job again later, not never.
 
         Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
@@ -288,7 +290,7 @@ class FencedExecution:
         )
         self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
 
-    def _on_lost(self, lease: Any, exc: LeaseLost | StaleToken) -> Any:
+    def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
         """The body learned its grant is gone, or a write it made was refused.
 
         When the database confirms that the grant merely expired and nobody has taken
@@ -318,7 +320,7 @@ class FencedExecution:
             self._retry_unlimited(exc, 0)
         raise exc
 
-    def _on_busy(self, busy: LeaseBusy, policy: str) -> Any:
+    def _on_busy(self, busy: LeaseBusy, policy: str) -> NoReturn:
         logger.info("task %s[%s]: %s (policy %s)", self.name, self.request.id, busy, policy)
         if policy == "fail":
             raise busy
@@ -379,12 +381,25 @@ class FencedExecution:
 
     # -- outcomes: release after the result is stored ----------------------------------
     def after_return(
-        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: ExceptionInfo | None,
     ) -> None:
         self._fenced_release(status)
         super().after_return(status, retval, task_id, args, kwargs, einfo)  # type: ignore[misc]
 
-    def on_retry(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+    def on_retry(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: ExceptionInfo | None,
+    ) -> None:
         self._fenced_release(states.RETRY)
         super().on_retry(exc, task_id, args, kwargs, einfo)  # type: ignore[misc]
 
@@ -400,56 +415,10 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
     reject_on_worker_lost = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        from celery_fenced.task_class import validate_task_class
+
         super().__init_subclass__(**kwargs)
         validate_task_class(cls)
-
-
-def validate_task_class(cls: type) -> None:
-    """Check a task class's explicit lease options; errors name the task and option."""
-    name = getattr(cls, "name", None) or cls.__name__
-    where = f"task {name!r}"
-    ttl = cls.__dict__.get("lease_ttl")
-    if ttl is not None:
-        conf.validate_ttl(ttl, f"{where} option lease_ttl")
-    on_busy = cls.__dict__.get("lease_on_busy")
-    if on_busy is not None:
-        conf.validate_on_busy(on_busy, f"{where} option lease_on_busy")
-    interval = cls.__dict__.get("lease_renew_interval")
-    if interval is not None:
-        conf.validate_renew_interval(
-            interval,
-            conf.validate_ttl(getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"),
-            f"{where} option lease_renew_interval",
-        )
-    reclaim = cls.__dict__.get("lease_reclaim")
-    if reclaim is not None:
-        conf.validate_reclaim(reclaim, f"{where} option lease_reclaim")
-    key = cls.__dict__.get("lease_key")
-    if key is not None:
-        if isinstance(key, str):
-            run = cls.__dict__.get("run")
-            func = getattr(run, "__func__", run)
-            if isinstance(run, staticmethod) or func is None:
-                keys.check_template(name, key, func)
-            else:
-                keys.check_template(name, key, _without_self(func))
-        elif not callable(key):
-            raise FencedConfigurationError(
-                f"{where} option lease_key must be a str.format template or a callable "
-                f"(args, kwargs) -> str, got {key!r}"
-            )
-        elif inspect.isfunction(key):
-            # a plain function in a class body would be bound as a method of the task
-            cls.lease_key = staticmethod(key)  # type: ignore[attr-defined]
-
-
-def _without_self(func: Any) -> Any:
-    import functools
-
-    params = list(inspect.signature(func).parameters.values())
-    if not params:
-        return func
-    return functools.partial(func, None)
 
 
 def _owner(request: Any) -> str:

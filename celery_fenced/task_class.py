@@ -1,0 +1,57 @@
+"""The lease options of a task class, checked when the class is made."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from celery_fenced import conf, keys
+from celery_fenced.exceptions import FencedConfigurationError
+
+
+def validate_task_class(cls: type) -> None:
+    """Check a task class's explicit lease options; errors name the task and option."""
+    name = getattr(cls, "name", None) or cls.__name__
+    where = f"task {name!r}"
+    ttl = cls.__dict__.get("lease_ttl")
+    if ttl is not None:
+        conf.validate_ttl(ttl, f"{where} option lease_ttl")
+    on_busy = cls.__dict__.get("lease_on_busy")
+    if on_busy is not None:
+        conf.validate_on_busy(on_busy, f"{where} option lease_on_busy")
+    interval = cls.__dict__.get("lease_renew_interval")
+    if interval is not None:
+        conf.validate_renew_interval(
+            interval,
+            conf.validate_ttl(getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"),
+            f"{where} option lease_renew_interval",
+        )
+    reclaim = cls.__dict__.get("lease_reclaim")
+    if reclaim is not None:
+        conf.validate_reclaim(reclaim, f"{where} option lease_reclaim")
+    key = cls.__dict__.get("lease_key")
+    if key is not None:
+        if isinstance(key, str):
+            run = cls.__dict__.get("run")
+            func = getattr(run, "__func__", run)
+            if isinstance(run, staticmethod) or func is None:
+                keys.check_template(name, key, func)
+            else:
+                keys.check_template(name, key, _without_self(func))
+        elif not callable(key):
+            raise FencedConfigurationError(
+                f"{where} option lease_key must be a str.format template or a callable "
+                f"(args, kwargs) -> str, got {key!r}"
+            )
+        elif inspect.isfunction(key):
+            # a plain function in a class body would be bound as a method of the task
+            cls.lease_key = staticmethod(key)  # type: ignore[attr-defined]
+
+
+def _without_self(func: Callable[..., Any]) -> Callable[..., Any]:
+    params = list(inspect.signature(func).parameters.values())
+    if not params:
+        return func
+    return functools.partial(func, None)
