@@ -195,8 +195,8 @@ def test_sigkill_whole_worker__the_other_worker_completes_the_job(
     ]
     entry = LedgerEntry.objects.using(alias).get(job="killed")
     assert (entry.worker, entry.token) == (label(other), t + 1)
-    # within ttl + the sweep interval (+ grace, broker delivery and the work itself)
-    assert sweeps.completed_after < TTL + 1.0 + SWEEP + WORK + 6
+    # how soon is a measurement (recorded above, and in the benchmarks), not an assert: the
+    # reclaimer, not Redis's redelivery, sent it (the ``resent`` event) — that is the claim
 
 
 @PAIRS
