@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from celery_fenced.context import current_lease
-from celery_fenced.exceptions import FencedError, LeaseBusy, LeaseLost, StaleToken
+from celery_fenced.exceptions import (
+    AlreadyCompleted,
+    FencedConfigurationError,
+    FencedError,
+    InvalidLeaseKey,
+    LeaseBusy,
+    LeaseLost,
+    StaleToken,
+)
 
 if TYPE_CHECKING:
     from celery_fenced.execution import FencedTask
@@ -15,10 +23,13 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyCompleted",
+    "FencedConfigurationError",
     "FencedError",
     "FencedTask",
     "FencingTokenField",
     "HeldLease",
+    "InvalidLeaseKey",
     "LeaseBusy",
     "LeaseLost",
     "StaleToken",

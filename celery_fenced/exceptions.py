@@ -116,5 +116,9 @@ class AlreadyCompleted(_DataError):
         )
 
 
+class InvalidLeaseKey(FencedError, ValueError):
+    """A lease key that cannot be made or stored: the message names the task and why."""
+
+
 class FencedConfigurationError(FencedError, ImproperlyConfigured):
     """celery-fenced is misconfigured."""

@@ -10,7 +10,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from celery_fenced.exceptions import FencedConfigurationError, FencedError
+from celery_fenced.exceptions import FencedConfigurationError, InvalidLeaseKey
 from celery_fenced.models import KEY_MAX_LENGTH
 
 
@@ -88,7 +88,7 @@ def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) 
             [task_name, list(args), dict(kwargs)], sort_keys=True, separators=(",", ":")
         )
     except (TypeError, ValueError) as exc:
-        raise FencedError(
+        raise InvalidLeaseKey(
             f"task {task_name!r}: the default lease key hashes the arguments as JSON, and "
             f"they are not JSON-serialisable ({exc}); give the task a lease_key"
         ) from None
@@ -134,11 +134,11 @@ def render_key(
         try:
             key = spec(tuple(args), dict(kwargs))
         except Exception as exc:
-            raise FencedError(
+            raise InvalidLeaseKey(
                 f"task {task_name!r}: the lease_key callable raised {exc!r}"
             ) from exc
         if not isinstance(key, str):
-            raise FencedError(
+            raise InvalidLeaseKey(
                 f"task {task_name!r}: the lease_key callable must return a str, "
                 f"got {type(key).__name__}"
             )
@@ -146,20 +146,27 @@ def render_key(
         try:
             key = str(spec).format(**named_arguments(run, args, kwargs))
         except (KeyError, IndexError, AttributeError, TypeError) as exc:
-            raise FencedError(
+            raise InvalidLeaseKey(
                 f"task {task_name!r}: lease_key {spec!r} could not be filled from the "
                 f"call's arguments ({exc!r})"
             ) from None
-    if not key:
-        raise FencedError(f"task {task_name!r}: the lease key is empty")
+    check_key(key, f"task {task_name!r}: the lease key")
+    return key
+
+
+def check_key(key: object, subject: str = "key") -> str:
+    """``key`` if the lease table can store it; else :class:`InvalidLeaseKey` naming
+    ``subject`` and what would be valid (a non-empty string of at most 255 characters,
+    without NUL)."""
+    if not isinstance(key, str) or not key:
+        raise InvalidLeaseKey(f"{subject} must be a non-empty string, got {key!r}")
     if len(key) > KEY_MAX_LENGTH:
-        raise FencedError(
-            f"task {task_name!r}: the lease key is {len(key)} characters; at most "
-            f"{KEY_MAX_LENGTH} are allowed"
+        raise InvalidLeaseKey(
+            f"{subject} must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
         )
     if "\x00" in key:
-        raise FencedError(
-            f"task {task_name!r}: the lease key {key[:40]!r} contains a NUL character, "
-            "which PostgreSQL cannot store"
+        raise InvalidLeaseKey(
+            f"{subject} must not contain NUL characters ('\\x00'; PostgreSQL cannot store "
+            f"them), got {key[:40]!r}"
         )
     return key

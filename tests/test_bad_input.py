@@ -229,7 +229,7 @@ EXECUTIONS = [
     pytest.param(
         {"lease_key": "report:{part}"},
         (1, "p" * 300),
-        "the lease key is 307 characters; at most 255 are allowed",
+        "the lease key must be at most 255 characters, got 307",
         id="key-over-long",
     ),
     pytest.param(

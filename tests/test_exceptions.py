@@ -103,3 +103,33 @@ def test_exceptions__async_result_get_raises_them_from_a_real_worker(
         assert lost.value.reason
     finally:
         app.close()
+
+
+def test_exceptions__every_public_one_is_exported_from_the_package() -> None:
+    """The module says all are re-exported from ``celery_fenced``: each is, by name."""
+    import inspect
+
+    import celery_fenced
+    from celery_fenced import exceptions
+
+    public = {
+        name
+        for name, value in vars(exceptions).items()
+        if inspect.isclass(value)
+        and issubclass(value, BaseException)
+        and value.__module__ == exceptions.__name__
+        and not name.startswith("_")
+    }
+    assert public <= set(celery_fenced.__all__)
+    assert all(getattr(celery_fenced, name) is getattr(exceptions, name) for name in public)
+
+
+def test_invalid_lease_key__is_a_fenced_error_and_a_value_error() -> None:
+    from celery_fenced import InvalidLeaseKey, acquire
+    from celery_fenced.keys import check_key
+
+    with pytest.raises(InvalidLeaseKey, match="key must be a non-empty string") as raised:
+        check_key("")
+    assert isinstance(raised.value, (FencedError, ValueError))
+    with pytest.raises(ValueError, match="at most 255 characters"):
+        acquire("k" * 256, ttl=30)

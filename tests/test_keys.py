@@ -150,9 +150,9 @@ def boom(args: Any, kwargs: Any) -> str:
         (boom, "the lease_key callable raised RuntimeError('boom')"),
         (lambda args, kwargs: 42, "the lease_key callable must return a str, got int"),
         (lambda args, kwargs: None, "must return a str, got NoneType"),
-        (lambda args, kwargs: "", "the lease key is empty"),
-        (lambda args, kwargs: "k" * 256, "the lease key is 256 characters; at most 255"),
-        ("{report_id}" + "k" * 300, "the lease key is 302 characters; at most 255"),
+        (lambda args, kwargs: "", "the lease key must be a non-empty string"),
+        (lambda args, kwargs: "k" * 256, "the lease key must be at most 255 characters, got 256"),
+        ("{report_id}" + "k" * 300, "the lease key must be at most 255 characters, got 302"),
     ],
     ids=["raises", "int", "none", "empty", "too-long", "template-too-long"],
 )

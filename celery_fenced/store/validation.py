@@ -11,7 +11,8 @@ from django.db import router
 
 from celery_fenced import conf
 from celery_fenced.exceptions import FencedError
-from celery_fenced.models import KEY_MAX_LENGTH, OWNER_MAX_LENGTH, Lease
+from celery_fenced.keys import check_key
+from celery_fenced.models import OWNER_MAX_LENGTH, Lease
 
 
 def database_alias(using: str | None = None) -> str:
@@ -31,18 +32,8 @@ def default_owner() -> str:
 
 
 def validate_key(key: object) -> str:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"key must be a non-empty string, got {key!r}")
-    if len(key) > KEY_MAX_LENGTH:
-        raise ValueError(
-            f"key must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
-        )
-    if "\x00" in key:
-        raise ValueError(
-            f"key must not contain NUL characters ('\\x00'; PostgreSQL cannot store them), "
-            f"got {key[:40]!r}"
-        )
-    return key
+    """``key`` if the lease table can store it, else :class:`InvalidLeaseKey` (a ValueError)."""
+    return check_key(key)
 
 
 def validate_owner(owner: object) -> str:
