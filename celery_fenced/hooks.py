@@ -171,12 +171,12 @@ def _check_tables() -> None:
     """
     from django.db import DatabaseError, connections
 
-    from celery_fenced import schema, store
+    from celery_fenced import store, tables
     from celery_fenced.exceptions import FencedConfigurationError
 
     alias = store.database_alias()
     try:
-        schema.check_tables(alias)
+        tables.check_tables(alias)
     except FencedConfigurationError as exc:
         _stop(str(exc))
     except DatabaseError as exc:

@@ -194,7 +194,7 @@ def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Count:
+class RowCount:
     """A row count that may be estimated (``about``) or capped (``at_least``)."""
 
     value: int
@@ -208,7 +208,7 @@ class Count:
         return f"{self.value:,}"
 
 
-def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
+def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> RowCount:
     """Count ``queryset`` without reading a whole large table.
 
     An unfiltered query on PostgreSQL uses the planner's estimate (``pg_class.reltuples``)
@@ -222,8 +222,8 @@ def fast_count(queryset: QuerySet[Any], *, cap: int | None = None) -> Count:
         estimate = store.estimated_rows(queryset.db, table) or 0
         # a stale estimate of a table emptied since: check there really are > cap rows
         if estimate > cap and unordered[cap : cap + 1].exists():
-            return Count(estimate, "about")
+            return RowCount(estimate, "about")
     counted = unordered[: cap + 1].count()
     if counted > cap:
-        return Count(cap, "at_least")
-    return Count(counted)
+        return RowCount(cap, "at_least")
+    return RowCount(counted)

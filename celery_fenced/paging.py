@@ -34,7 +34,7 @@ class FastCountPaginator(AnyPaginator):
     """A paginator that never counts a whole large table (see ``operations.fast_count``)."""
 
     @cached_property
-    def counted(self) -> operations.Count:
+    def counted(self) -> operations.RowCount:
         counted = operations.fast_count(self.object_list)  # type: ignore[arg-type]
         # the changelist's date hierarchy runs on this same queryset: tell it the size
         if isinstance(self.object_list, DrillDownQuerySet):
@@ -54,7 +54,7 @@ class DrillDownQuerySet(AnyQuerySet):
     a search) are found through their own filter's index, and DISTINCT over them is cheap.
     """
 
-    counted: operations.Count | None = None
+    counted: operations.RowCount | None = None
 
     def datetimes(  # type: ignore[override]
         self,

@@ -49,7 +49,9 @@ END_TEXT = {
 
 
 @dataclass
-class Grant:
+class GrantSpan:
+    """One grant of the key on the picture: from its start to its end (or now)."""
+
     token: int
     owner: str
     task_id: str
@@ -118,11 +120,11 @@ class Picture:
 
 def grants_and_marks(
     lease: Lease, events: Iterable[LeaseEvent], now: dt.datetime
-) -> tuple[list[Grant], list[Mark]]:
+) -> tuple[list[GrantSpan], list[Mark]]:
     """Replay ``events`` (oldest first) into the grants of ``lease`` and the marks on them."""
-    grants: dict[int, Grant] = {}
+    grants: dict[int, GrantSpan] = {}
     marks: list[Mark] = []
-    previous: Grant | None = None
+    previous: GrantSpan | None = None
     for event in events:
         token = event.token
         if token is None:
@@ -131,7 +133,7 @@ def grants_and_marks(
         if kind in (LeaseEvent.Kind.ACQUIRED, LeaseEvent.Kind.RECLAIMED):
             if previous is not None and previous.end is None:
                 previous.end, previous.end_kind = event.at, "taken_over"
-            grant = Grant(token, event.owner, event.task_id, event.at)
+            grant = GrantSpan(token, event.owner, event.task_id, event.at)
             if kind == LeaseEvent.Kind.RECLAIMED:
                 grant.reclaimed = True
                 was = event.detail.get("previous_owner", "") if event.detail else ""
@@ -155,7 +157,7 @@ def grants_and_marks(
             reason = event.detail.get("reason", "") if event.detail else ""
             marks.append(Mark(token, event.at, kind, f"token {token} lost: {reason}"))
     if lease.token not in grants:  # its grant event was pruned: the row still tells
-        grants[lease.token] = Grant(lease.token, lease.owner, lease.task_id, lease.acquired_at)
+        grants[lease.token] = GrantSpan(lease.token, lease.owner, lease.task_id, lease.acquired_at)
     current = grants[lease.token]
     if current.end is None:
         if lease.released_at is not None:

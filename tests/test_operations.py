@@ -55,11 +55,11 @@ def test_fast_count__exact_below_the_cap_capped_above(alias: str) -> None:
     for i in range(12):
         acquire(f"k{i}", ttl=30, using=alias)
     leases = operations.leases(using=alias)
-    assert operations.fast_count(leases, cap=100) == operations.Count(12)
-    assert operations.fast_count(leases, cap=5) == operations.Count(5, "at_least")
+    assert operations.fast_count(leases, cap=100) == operations.RowCount(12)
+    assert operations.fast_count(leases, cap=5) == operations.RowCount(5, "at_least")
     assert str(operations.fast_count(leases, cap=5)) == "more than 5"
     held = operations.leases(state="held", using=alias)
-    assert operations.fast_count(held, cap=100) == operations.Count(12)
+    assert operations.fast_count(held, cap=100) == operations.RowCount(12)
 
 
 def test_fast_count__postgres_estimates_a_whole_large_table() -> None:
@@ -68,14 +68,14 @@ def test_fast_count__postgres_estimates_a_whole_large_table() -> None:
     with connections["postgres"].cursor() as cursor:
         cursor.execute(f"ANALYZE {Lease._meta.db_table}")
     whole = operations.leases(using="postgres")
-    assert operations.fast_count(whole, cap=10) == operations.Count(30, "about")
+    assert operations.fast_count(whole, cap=10) == operations.RowCount(30, "about")
     assert str(operations.fast_count(whole, cap=10)) == "about 30"
     # a filtered query is counted (capped), never estimated
     held = operations.leases(state="held", using="postgres")
-    assert operations.fast_count(held, cap=10) == operations.Count(10, "at_least")
+    assert operations.fast_count(held, cap=10) == operations.RowCount(10, "at_least")
     # a stale estimate of a table emptied since is not believed
     Lease.objects.using("postgres").all().delete()
-    assert operations.fast_count(whole, cap=10) == operations.Count(0)
+    assert operations.fast_count(whole, cap=10) == operations.RowCount(0)
 
 
 @pytest.mark.parametrize(
@@ -100,12 +100,12 @@ def test_fast_count__unfiltered_uses_the_planner_estimate_on_postgresql(alias: s
         cursor.execute(f"ANALYZE {Lease._meta.db_table}")
     everything = Lease.objects.using(alias).all()
     if alias == "postgres":
-        assert operations.fast_count(everything, cap=5) == operations.Count(12, "about")
+        assert operations.fast_count(everything, cap=5) == operations.RowCount(12, "about")
     else:  # no estimate: counted up to the cap
-        assert operations.fast_count(everything, cap=5) == operations.Count(5, "at_least")
+        assert operations.fast_count(everything, cap=5) == operations.RowCount(5, "at_least")
     # a filtered query is never estimated
     held = everything.filter(key__startswith="k1")
-    assert operations.fast_count(held, cap=100) == operations.Count(3)
+    assert operations.fast_count(held, cap=100) == operations.RowCount(3)
 
 
 def test_prune_events__keeps_recent_events_between_old_ones(alias: str) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 from celery_fenced import conf, signals
 from celery_fenced.exceptions import AlreadyCompleted, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
-from celery_fenced.schema import tables_required
 from celery_fenced.store import dialects
 from celery_fenced.store.dialects.records import Completed, Delivery, GrantRequest, Holder
 from celery_fenced.store.held import HeldLease
@@ -21,6 +20,7 @@ from celery_fenced.store.validation import (
     validate_owner,
     validate_ttl,
 )
+from celery_fenced.tables import tables_required
 
 logger = logging.getLogger("celery_fenced.store")
 
