@@ -27,7 +27,7 @@ from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
-from celery_fenced import operations, paging, timeline
+from celery_fenced import kinds, operations, paging, timeline
 from celery_fenced.models import Lease, LeaseEvent
 
 if TYPE_CHECKING:
@@ -43,18 +43,6 @@ STATE_COLOURS = {
     operations.HELD: "#2e7d32",
     operations.EXPIRED: "#ef8f00",
     operations.RELEASED: "#6c7a89",
-}
-KIND_COLOURS = {
-    "acquired": "#2e7d32",
-    "reclaimed": "#c62828",
-    "released": "#6c7a89",
-    "lost": "#616161",
-    "busy": "#8d8d8d",
-    "stale_write_rejected": "#ef6c00",
-    "force_released": "#c62828",
-    "duplicate": "#6a4c93",
-    "resent": "#1565c0",
-    "abandoned": "#4e342e",
 }
 
 
@@ -421,7 +409,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         return {
             "events_page": page,
             "event_rows": [
-                (e, badge(e.kind, KIND_COLOURS.get(e.kind, "#999")), _json(e.detail)) for e in page
+                (e, badge(e.kind, kinds.colour(e.kind)), _json(e.detail)) for e in page
             ],
             "events_page_links": page_links,
             "timeline": timeline.picture(lease, recent, getattr(lease, "db_now")),  # noqa: B009
@@ -459,7 +447,7 @@ class LeaseEventAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Event
 
     @admin.display(description="kind", ordering="kind")
     def kind_badge(self, event: LeaseEvent) -> SafeString:
-        return badge(event.kind, KIND_COLOURS.get(event.kind, "#999"))
+        return badge(event.kind, kinds.colour(event.kind))
 
     @admin.display(description="lease")
     def lease_link(self, event: LeaseEvent) -> str:

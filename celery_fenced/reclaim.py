@@ -249,6 +249,7 @@ def reclaim_expired(
 
 def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> Reclaimed:
     from celery_fenced import store
+    from celery_fenced.models import ReclaimState
 
     def outcome(action: str, reason: str = "") -> Reclaimed:
         return Reclaimed(
@@ -256,7 +257,7 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
         )
 
     extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
-    if claim.state == "abandoned":
+    if claim.state == ReclaimState.ABANDONED:
         logger.error(
             "lease %r abandoned: task %s[%s] expired unfinished after %d re-sends",
             claim.key,
@@ -322,6 +323,7 @@ def _preview(
     alias: str, grace: float, resend_after: float, max_attempts: int, limit: int
 ) -> list[Reclaimed]:
     from celery_fenced import store
+    from celery_fenced.models import ReclaimState
 
     return [
         Reclaimed(
@@ -331,7 +333,7 @@ def _preview(
             c.token,
             c.attempts,
             c.state,
-            "" if c.state == "resent" else "too many re-sends",
+            "" if c.state == ReclaimState.RESENT else "too many re-sends",
             dry_run=True,
         )
         for c in store.expired_unfinished(

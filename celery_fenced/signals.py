@@ -19,6 +19,15 @@ from typing import Any
 
 from django.dispatch import Signal
 
+__all__ = [
+    "Signal",
+    "lease_acquired",
+    "lease_lost",
+    "lease_released",
+    "send",
+    "stale_write_rejected",
+]
+
 logger = logging.getLogger(__name__)
 
 lease_acquired = Signal()

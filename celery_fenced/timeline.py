@@ -28,15 +28,16 @@ BAR = 14
 AXIS = 34
 LEGEND = 26
 
+#: colours of the bars' ends (by how the grant ended) and of the marks (by event kind)
 COLOURS = {
     "held": "#2e7d32",
     "released": "#5c7f9e",
     "expired": "#ef8f00",
     "taken_over": "#c62828",
-    "force_released": "#c62828",
-    "reclaimed": "#c62828",
-    "stale_write_rejected": "#ef6c00",
-    "lost": "#616161",
+    LeaseEvent.Kind.FORCE_RELEASED.value: "#c62828",
+    LeaseEvent.Kind.RECLAIMED.value: "#c62828",
+    LeaseEvent.Kind.STALE_WRITE_REJECTED.value: "#ef6c00",
+    LeaseEvent.Kind.LOST.value: "#616161",
 }
 
 END_TEXT = {
@@ -245,7 +246,12 @@ def picture(lease: Lease, events_newest_first: Sequence[LeaseEvent], now: dt.dat
 
 
 #: Marks drawn later are drawn on top.
-DRAW_ORDER = {"force_released": 0, "reclaimed": 1, "stale_write_rejected": 2, "lost": 3}
+DRAW_ORDER = {
+    LeaseEvent.Kind.FORCE_RELEASED.value: 0,
+    LeaseEvent.Kind.RECLAIMED.value: 1,
+    LeaseEvent.Kind.STALE_WRITE_REJECTED.value: 2,
+    LeaseEvent.Kind.LOST.value: 3,
+}
 MARK_GAP = 12.0  # px between the centres of two marks on one lane
 
 
