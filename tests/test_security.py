@@ -295,7 +295,7 @@ def sql_sources(*paths: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | Non
     return found
 
 
-DIALECTS = sorted((PACKAGE / "dialects").glob("*.py"))
+DIALECTS = sorted((PACKAGE / "store" / "dialects").glob("*.py"))
 MODULES = sorted(
     p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts and p not in DIALECTS
 )

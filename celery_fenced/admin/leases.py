@@ -1,17 +1,9 @@
-"""Django admin for leases and their audit trail: read-only, fast on large tables.
-
-Nothing here writes to the lease tables through the ORM: the force-release action and
-button call :func:`celery_fenced.operations.force_release` (that is,
-:func:`celery_fenced.force_release`), and need the permission
-``celery_fenced.force_release_lease``. States are computed by the database's clock.
-"""
+"""The lease pages: the list, a lease with its timeline and history, force release."""
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.apps import apps
@@ -20,7 +12,7 @@ from django.contrib.admin import helpers
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
@@ -28,6 +20,22 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
 from celery_fenced import kinds, operations, paging, timeline
+from celery_fenced.admin.display import (
+    CHANGE_LIST,
+    STATE_COLOURS,
+    badge,
+    detail_json,
+    short_id,
+    task_id_head,
+    when,
+)
+from celery_fenced.admin.filters import (
+    ExactFirstSearchMixin,
+    FastListMixin,
+    ReadOnlyMixin,
+    StateFilter,
+    TaskNameFilter,
+)
 from celery_fenced.models import Lease, LeaseEvent
 
 if TYPE_CHECKING:
@@ -36,131 +44,9 @@ if TYPE_CHECKING:
 else:
     LeaseModelAdmin = EventModelAdmin = admin.ModelAdmin
 
+
 EVENTS_PER_PAGE = 50
 BULK_LIMIT = 1000  # leases force-released by one action
-
-STATE_COLOURS = {
-    operations.HELD: "#2e7d32",
-    operations.EXPIRED: "#ef8f00",
-    operations.RELEASED: "#6c7a89",
-}
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True) if value else ""
-
-
-def _first(task_id: str) -> str:
-    return task_id if len(task_id) <= 13 else f"{task_id[:8]}…"
-
-
-def badge(text: str, colour: str) -> SafeString:
-    return format_html(
-        '<span class="fenced-badge fenced-{}" style="background:{};color:#fff;'
-        "padding:1px 8px;border-radius:9px;font-size:11px;font-weight:600;"
-        'white-space:nowrap">{}</span>',
-        text,
-        colour,
-        text.replace("_", " "),
-    )
-
-
-#: narrow columns: a short task id, times on one line, the detail wrapped (fits 1366 px)
-CHANGE_LIST = "admin/celery_fenced/change_list.html"
-
-
-def short_id(task_id: str) -> SafeString | str:
-    """A task id as its first 8 characters, the whole id in the tooltip (a UUID would
-    wrap onto four lines of a changelist column)."""
-    if len(task_id) <= 13:
-        return task_id
-    return format_html('<span title="{}">{}…</span>', task_id, task_id[:8])
-
-
-def when(value: dt.datetime | None) -> str:
-    """A database timestamp to the millisecond, in UTC: lease times are short."""
-    if value is None:
-        return "—"
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-class StateFilter(admin.SimpleListFilter):
-    """Held / expired / released, compared with the database's clock in the query."""
-
-    title = "state"
-    parameter_name = "state"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(state, state) for state in operations.STATES]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        if value in operations.STATES:
-            return queryset.filter(operations.state_condition(value))
-        return queryset
-
-
-class TaskNameFilter(admin.SimpleListFilter):
-    """The task names, found with one index seek each (no DISTINCT over the table)."""
-
-    title = "task name"
-    parameter_name = "task_name"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(name, name) for name in operations.task_names()]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        value = self.value()
-        return queryset.filter(task_name=value) if value else queryset
-
-
-class ExactFirstSearchMixin:
-    """A search term that is exactly a key or a task id is found through their indexes.
-
-    Only when nothing matches exactly are the ``search_fields`` searched as usual (a
-    substring search: a table scan on a large table).
-    """
-
-    exact_search_fields: tuple[str, ...] = ()
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
-        term = search_term.strip()
-        if term and self.exact_search_fields:
-            condition = Q()
-            for name in self.exact_search_fields:
-                condition |= Q(**{name: term})
-            exact = queryset.filter(condition)
-            if exact.exists():
-                return exact, False
-        found: tuple[QuerySet[Any], bool] = super().get_search_results(  # type: ignore[misc]
-            request, queryset, search_term
-        )
-        return found
-
-
-class ReadOnlyMixin:
-    """No add, change or delete, whatever the user's permissions; view works."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-class FastListMixin:
-    """Changelist settings for tables of millions of rows."""
-
-    paginator: ClassVar[type] = paging.FastCountPaginator
-    show_full_result_count = False
-    list_per_page = 50
-    if hasattr(admin, "ShowFacets"):  # Django 5.0+: facet counts scan the table
-        show_facets = admin.ShowFacets.NEVER
 
 
 @admin.register(Lease)
@@ -267,7 +153,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         if url is None:
             return short_id(lease.task_id)
         return format_html(
-            '<a href="{}" title="{}">{}</a>', url, lease.task_id, _first(lease.task_id)
+            '<a href="{}" title="{}">{}</a>', url, lease.task_id, task_id_head(lease.task_id)
         )
 
     def task_result_url(self, task_id: str) -> str | None:
@@ -409,7 +295,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         return {
             "events_page": page,
             "event_rows": [
-                (e, badge(e.kind, kinds.colour(e.kind)), _json(e.detail)) for e in page
+                (e, badge(e.kind, kinds.colour(e.kind)), detail_json(e.detail)) for e in page
             ],
             "events_page_links": page_links,
             "timeline": timeline.picture(lease, recent, getattr(lease, "db_now")),  # noqa: B009
@@ -421,37 +307,3 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
                 args=[quote(lease.pk)],
             ),
         }
-
-
-@admin.register(LeaseEvent)
-class LeaseEventAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, EventModelAdmin):
-    list_display = ("at_utc", "kind_badge", "lease_link", "token", "owner", "task", "detail")
-    change_list_template = CHANGE_LIST
-    list_filter = ("kind",)
-    search_fields = ("lease__key", "=task_id")
-    exact_search_fields = ("lease__key", "task_id")
-    list_select_related = ("lease",)
-    ordering = ("-at", "-id")
-    sortable_by = ("at_utc",)
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[LeaseEvent]:
-        return super().get_queryset(request).using(operations.database_alias())
-
-    @admin.display(description="at (UTC)", ordering="at")
-    def at_utc(self, event: LeaseEvent) -> str:
-        return when(event.at)
-
-    @admin.display(description="task id")
-    def task(self, event: LeaseEvent) -> SafeString | str:
-        return short_id(event.task_id) if event.task_id else "—"
-
-    @admin.display(description="kind", ordering="kind")
-    def kind_badge(self, event: LeaseEvent) -> SafeString:
-        return badge(event.kind, kinds.colour(event.kind))
-
-    @admin.display(description="lease")
-    def lease_link(self, event: LeaseEvent) -> str:
-        url = reverse(
-            f"{self.admin_site.name}:celery_fenced_lease_change", args=[quote(event.lease_id)]
-        )
-        return format_html('<a href="{}">{}</a>', url, event.lease.key)

@@ -1,0 +1,23 @@
+"""Django admin for leases and their audit trail: read-only, fast on large tables.
+
+Nothing here writes to the lease tables through the ORM: the force-release action and
+button call :func:`celery_fenced.operations.force_release` (that is,
+:func:`celery_fenced.force_release`), and need the permission
+``celery_fenced.force_release_lease``. States are computed by the database's clock.
+"""
+
+from __future__ import annotations
+
+from celery_fenced.admin.display import badge, short_id, when
+from celery_fenced.admin.events import LeaseEventAdmin
+from celery_fenced.admin.leases import BULK_LIMIT, EVENTS_PER_PAGE, LeaseAdmin
+
+__all__ = [
+    "BULK_LIMIT",
+    "EVENTS_PER_PAGE",
+    "LeaseAdmin",
+    "LeaseEventAdmin",
+    "badge",
+    "short_id",
+    "when",
+]
