@@ -26,6 +26,7 @@ measurements alternate between the variants, the order rotating each round.
 
 from __future__ import annotations
 
+import enum
 import json
 import multiprocessing
 import os
@@ -77,7 +78,9 @@ def capture(alias: str) -> Statements:
     fetch = dialects.SQLDialect._fetch
 
     def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
-        log.append((sql, list(params)))
+        # plain values (an event kind is the model's enum): the templates go to spawned
+        # processes, which unpickle them before Django is set up
+        log.append((sql, [p.value if isinstance(p, enum.Enum) else p for p in params]))
         return fetch(self, sql, params)
 
     for _ in range(5):  # until the probe's token and lease id differ from each other
