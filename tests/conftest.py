@@ -1,4 +1,10 @@
-"""Shared fixtures: every database test runs on SQLite *and* PostgreSQL."""
+"""Shared fixtures: every database test runs on SQLite *and* PostgreSQL.
+
+The tests are in three layers: ``unit`` (no database, broker or process: runs anywhere),
+``integration`` (the real databases, SQLite and PostgreSQL, through Celery's tracer and the
+real backend; no worker process) and ``acceptance`` (real ``celery worker`` processes on
+Redis, the browser, the wheel, the demo, the chaos runner).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +19,13 @@ from django.db import connections
 DATABASE_ALIASES = ["default", "postgres"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def require_servers() -> None:
+    """The integration and acceptance layers run on PostgreSQL too, never silently not."""
     if "postgres" not in settings.DATABASES:
         raise pytest.UsageError(
             "PostgreSQL is not configured (FENCED_PG_PORT is unset): run the suite with "
             "`bash tests/run.sh`, which starts a throwaway server. There is no silent "
-            "fallback to SQLite."
+            "fallback to SQLite. (`pytest tests/unit` needs no server.)"
         )
 
 
@@ -59,7 +66,7 @@ def start_worker(
     """Start real `celery worker` processes on ``alias``'s database; stopped afterwards."""
     import redis
 
-    from .workers import Worker
+    from devtools.workers import Worker
 
     redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushdb()
     started: list[Worker] = []
