@@ -23,13 +23,14 @@ a non-string, or works; an over-long
 key; unserialisable arguments with
 the default key; a template the call
 cannot fill
-store calls: key, ttl, owner,         ``STORE_CALLS`` below; more in tests/integration/test_store.py
-token, field
+store calls: key, ttl, owner,         ``STORE_CALLS`` below; more in
+token, field                          tests/integration/test_store.py
 migrations not applied                ``test_migrations_not_applied__error_names_migrate``
 the database unreachable at acquire   ``test_database_unreachable__acquire_names_the_server``
 a forged token in the message         ``test_forged_token_in_the_request__ignored`` (as the
                                       worker calls the task); with a real worker in
-                                      tests/acceptance/test_security.py and tests/acceptance/test_task_workers.py
+                                      tests/acceptance/test_security.py and
+                                      tests/acceptance/test_task_workers.py
 an oversized / unserialisable result  ``test_result__oversized_stored_intact``,
                                       ``test_result__unserialisable_names_the_type``
 ====================================  =========================================================
