@@ -107,17 +107,7 @@ def wait_until_blocked(alias: str, thread: Any) -> None:
         thread.join(timeout=0.5)
         assert thread.is_alive()
         return
-    import psycopg
-
-    settings = connections[alias].settings_dict
-    with psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        password=settings["PASSWORD"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as watcher:
+    with side_connection(alias) as watcher:
         while time.monotonic() < deadline:
             row = watcher.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
@@ -128,3 +118,26 @@ def wait_until_blocked(alias: str, thread: Any) -> None:
             assert thread.is_alive()
             time.sleep(0.02)
     raise AssertionError("the duplicate's statement never waited for the lease row")
+
+
+def side_connection(alias: str) -> Any:
+    """A psycopg connection of its own to ``alias``'s PostgreSQL database (autocommit)."""
+    import psycopg
+
+    settings = connections[alias].settings_dict
+    return psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        password=settings["PASSWORD"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    )
+
+
+def terminate_connection(alias: str) -> None:
+    """End this thread's PostgreSQL session of ``alias`` from the server's side."""
+    connection = connections[alias]
+    connection.ensure_connection()
+    with side_connection(alias) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])

@@ -328,21 +328,10 @@ def test_main_process_report__recorded_through_a_dropped_connection(routed: str)
     restart is replaced, and the report recorded (found by the chaos runner)."""
     if routed != "postgres":
         pytest.skip("terminates a PostgreSQL backend")
-    import psycopg
+    from tests.conftest import terminate_connection
 
     acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
-    connection = connections[routed]
-    connection.ensure_connection()
-    settings = connection.settings_dict
-    with psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        password=settings["PASSWORD"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    terminate_connection(routed)
     report(states.FAILURE, "t1", main_process_request("t1", 100))
     assert TaskResult.objects.using(routed).get(task_id="t1").status == states.FAILURE
     assert Lease.objects.using(routed).get(key="job").released_at is not None

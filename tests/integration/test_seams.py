@@ -25,7 +25,7 @@ from django_celery_results.models import ChordCounter, TaskResult
 from celery_fenced import FencedTask, StaleToken, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import DATABASE_ALIASES, terminate_connection
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
@@ -862,25 +862,6 @@ def test_group_in_chain__stale_success_sends_no_group_and_the_current_one_sends_
 
 
 # -- the database goes away while a result settles: the outcome is settled again -----------
-def terminate_connection(alias: str) -> None:
-    """End this thread's PostgreSQL session of ``alias`` from the server's side."""
-    import psycopg
-
-    connection = connections[alias]
-    connection.ensure_connection()
-    pid = connection.connection.info.backend_pid
-    settings = connection.settings_dict
-    with psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        password=settings["PASSWORD"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
-
-
 def test_connection_lost_before_the_result__success_settles_once_back(
     broker: Broker, lease_db: str
 ) -> None:
