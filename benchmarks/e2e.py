@@ -74,7 +74,7 @@ def _queue(variant: Variant) -> str:
 
 
 def _start_workers(ctx: Context) -> dict[str, Any]:
-    from tests.workers import Worker
+    from devtools.workers import Worker
 
     env = {**worker_env(ctx), "FENCED_PG_USER": WORKER_ROLE}
     workers: dict[str, Any] = {}

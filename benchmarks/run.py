@@ -1,7 +1,7 @@
 """The benchmarks' one command: ``bash benchmarks/run.sh`` (that is ``python -m benchmarks``).
 
 Starts a throwaway PostgreSQL (with ``pg_stat_statements`` loaded, tracking off except
-while statements are counted) and Redis through ``tests.services``, runs the five
+while statements are counted) and Redis through ``devtools.services``, runs the five
 benchmarks, prints one table, writes it between the markers of ``docs/benchmarks.md``
 with a bar chart ``docs/benchmarks.svg``, and stops the servers.
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke" if args.smoke else "quick" if args.quick else "full", args.tasks
     )
 
-    from tests import services
+    from devtools import services
 
     began = time.monotonic()
     load_start = report.machine()["load"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from celery_fenced.context import current_lease
@@ -20,7 +21,10 @@ if TYPE_CHECKING:
     from celery_fenced.fencing import FencingTokenField, fenced_update
     from celery_fenced.store import HeldLease, acquire, force_release
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("celery-fenced")  # written once, in pyproject.toml
+except PackageNotFoundError:  # pragma: no cover - run from a source tree not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AlreadyCompleted",

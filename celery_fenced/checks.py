@@ -46,9 +46,9 @@ _checking: list[Any] = []
 def _app() -> Any:
     if _checking:
         return _checking[-1]
-    from celery._state import get_current_app
+    from celery.app import app_or_default
 
-    return get_current_app()
+    return app_or_default()
 
 
 def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:

@@ -1,9 +1,9 @@
 """``celery -A proj fenced …``: the ``fenced`` subcommands as a Celery (click) command.
 
 Registered through the ``celery.commands`` entry point; Celery imports this module on
-every start, so it imports nothing of Django until a subcommand runs. The subcommands
-are those of ``manage.py fenced`` (:mod:`celery_fenced.commands`), under Django: the
-Celery app module must set ``DJANGO_SETTINGS_MODULE`` (as a Django project's does).
+every start, so it imports nothing of Django until a subcommand runs. Its arguments go
+to ``manage.py fenced`` (the one parser), under Django: the Celery app module must set
+``DJANGO_SETTINGS_MODULE`` (as a Django project's does).
 """
 
 from __future__ import annotations
@@ -17,10 +17,20 @@ import click
 from celery_fenced import commands
 
 
-@click.group(name="fenced", help=commands.HELP)
+@click.command(
+    name="fenced",
+    help=commands.HELP + " (`celery fenced --help` for the arguments.)",
+    add_help_option=False,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def fenced(ctx: click.Context) -> None:
+def fenced(ctx: click.Context, argv: tuple[str, ...]) -> None:
+    """Hand the arguments to ``manage.py fenced``: one parser, one help, for both."""
     setup_django(getattr(ctx.obj, "app", None))
+    from celery_fenced.management.commands.fenced import Command
+
+    Command().run_from_argv(["celery", "fenced", *argv])
 
 
 def setup_django(app: Any = None) -> None:
@@ -37,47 +47,6 @@ def setup_django(app: Any = None) -> None:
 
     if not apps.ready:
         django.setup()
-
-
-def _command(spec: commands.Subcommand) -> click.Command:
-    def callback(**options: Any) -> None:
-        tty = sys.stderr if sys.stderr.isatty() else None
-        io = commands.IO(
-            write=click.echo, error=lambda line: click.echo(line, err=True), progress=tty
-        )
-        try:
-            spec.run(io, options)
-        except commands.CommandFailed as exc:
-            raise click.ClickException(str(exc)) from None
-
-    return click.Command(
-        spec.name,
-        params=[_param(arg) for arg in spec.args],
-        callback=callback,
-        help=spec.help,
-        short_help=spec.help,
-    )
-
-
-def _param(arg: commands.Arg) -> click.Parameter:
-    kind: Any = click.Choice(arg.choices) if arg.choices else arg.type
-    if arg.positional:
-        return click.Argument([arg.dest], type=kind, metavar=arg.metavar)
-    if arg.flag:
-        return click.Option([arg.name], is_flag=True, help=arg.help)
-    return click.Option(
-        [arg.name],
-        type=kind,
-        default=arg.default,
-        required=arg.required,
-        help=arg.help,
-        metavar=arg.metavar,
-        show_default=arg.default is not None,
-    )
-
-
-for _spec in commands.SUBCOMMANDS.values():
-    fenced.add_command(_command(_spec))
 
 
 def _stop_when_not_installed(sender: Any = None, **kwargs: Any) -> None:

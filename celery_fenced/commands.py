@@ -1,9 +1,9 @@
-"""The ``fenced`` subcommands, declared once for ``manage.py fenced`` and ``celery fenced``.
+"""What the ``fenced`` subcommands do: one function each, in :data:`HANDLERS`.
 
-Each subcommand is a function registered with :func:`subcommand`, with its arguments as
-:class:`Arg` values; the management command (argparse) and the Celery command (click)
-build their parsers from :data:`SUBCOMMANDS` and call the same function. To add one,
-register it here with its arguments (see ``reclaim`` below for an example).
+Their arguments are declared once, by the management command's parser
+(:mod:`celery_fenced.management.commands.fenced`); ``celery fenced`` hands its arguments
+to that command, so the two cannot drift. To add a subcommand, write its function here,
+add it to :data:`HANDLERS`, and declare its arguments there.
 
 This module imports neither Django models nor Celery at import time: ``celery`` loads
 the command on every start, before Django is set up.
@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO as Stream
-from typing import Any
+from typing import Any, TextIO, cast
 
 STATES = ("held", "expired", "released")
 LIST_LIMIT = 100
@@ -26,28 +26,6 @@ SHOW_EVENTS = 20
 
 class CommandFailed(Exception):
     """A subcommand could not do what was asked; the message says why."""
-
-
-@dataclass(frozen=True)
-class Arg:
-    """One argument: ``"key"`` (positional) or ``"--state"`` (an option)."""
-
-    name: str
-    help: str
-    type: Callable[[str], Any] = str
-    choices: tuple[str, ...] | None = None
-    flag: bool = False
-    default: Any = None
-    required: bool = False
-    metavar: str | None = None
-
-    @property
-    def positional(self) -> bool:
-        return not self.name.startswith("-")
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
 
 
 @dataclass(frozen=True)
@@ -61,50 +39,13 @@ class IO:
 
 Handler = Callable[[IO, dict[str, Any]], None]
 
-
-@dataclass(frozen=True)
-class Subcommand:
-    name: str
-    help: str
-    args: tuple[Arg, ...]
-    run: Handler
-
-
-DATABASE = Arg(
-    "--database",
-    "Database alias of the lease table (default: fenced_database, or the router's).",
-    metavar="ALIAS",
-)
-JSON = Arg("--json", "Print JSON instead of a table.", flag=True)
-
-SUBCOMMANDS: dict[str, Subcommand] = {}
-
 HELP = (
     "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
     "prune --older-than DAYS, reclaim."
 )
 
 
-def subcommand(name: str, help: str, *args: Arg) -> Callable[[Handler], Handler]:
-    """Register a subcommand (``--database`` is added to every one)."""
-
-    def register(run: Handler) -> Handler:
-        SUBCOMMANDS[name] = Subcommand(name, help, (*args, DATABASE), run)
-        return run
-
-    return register
-
-
 # -- list ------------------------------------------------------------------------------
-@subcommand(
-    "list",
-    "List leases, newest grant first, with their state by the database's clock.",
-    Arg("--state", "Only leases in this state.", choices=STATES),
-    Arg("--task", "Only leases of this task name.", metavar="NAME"),
-    Arg("--prefix", "Only keys starting with this.", metavar="KEY_PREFIX"),
-    Arg("--limit", "At most this many rows (0: all).", type=int, default=LIST_LIMIT),
-    JSON,
-)
 def list_leases(io: IO, options: dict[str, Any]) -> None:
     from celery_fenced import operations
 
@@ -144,13 +85,6 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- show ------------------------------------------------------------------------------
-@subcommand(
-    "show",
-    "Show one lease and its recent events.",
-    Arg("key", "The lease key.", metavar="KEY"),
-    Arg("--events", "How many recent events.", type=int, default=SHOW_EVENTS, metavar="N"),
-    JSON,
-)
 def show(io: IO, options: dict[str, Any]) -> None:
     from celery_fenced import operations
 
@@ -202,12 +136,6 @@ def show(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- release ---------------------------------------------------------------------------
-@subcommand(
-    "release",
-    "Force-release KEY: end its grant and fence its holder out (recorded as cli:USER).",
-    Arg("key", "The lease key.", metavar="KEY"),
-    Arg("--by", "Who is releasing (default: your user name).", metavar="NAME"),
-)
 def release(io: IO, options: dict[str, Any]) -> None:
     from celery_fenced import operations
 
@@ -223,12 +151,6 @@ def release(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- reclaim ---------------------------------------------------------------------------
-@subcommand(
-    "reclaim",
-    "Re-send, with the same task id, every job whose lease expired before it finished.",
-    Arg("--grace", "Seconds past expiry before a job is re-sent.", type=float, metavar="S"),
-    Arg("--dry-run", "Show what would be re-sent or abandoned; change nothing.", flag=True),
-)
 def reclaim(io: IO, options: dict[str, Any]) -> None:
     from celery_fenced.reclaim import reclaim_expired
 
@@ -251,19 +173,10 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- prune -----------------------------------------------------------------------------
-@subcommand(
-    "prune",
-    "Delete events older than DAYS, in batches. Lease rows (and so tokens) are kept. "
-    "Completed-duplicate detection reaches back only as far as events are kept.",
-    Arg(
-        "--older-than", "Age in days, by the DB clock.", type=float, required=True, metavar="DAYS"
-    ),
-    Arg("--batch-size", "Events deleted per statement.", type=int, default=10_000, metavar="N"),
-)
 def prune(io: IO, options: dict[str, Any]) -> None:
     from celery_fenced import operations
 
-    bar = ProgressBar(io.progress) if io.progress is not None else None
+    bar = Progress(io.progress) if io.progress is not None else None
     try:
         deleted = operations.prune_events(
             older_than_days=options["older_than"],
@@ -280,27 +193,32 @@ def prune(io: IO, options: dict[str, Any]) -> None:
     io.write(f"Deleted {deleted} event{plural} older than {options['older_than']:g} days.")
 
 
-class ProgressBar:
-    """``[#####.....]  50%  5,000/10,000 events`` redrawn in place on a TTY."""
-
-    WIDTH = 30
+class Progress:
+    """The prune's progress, as ``click.progressbar`` draws it on a TTY (in place)."""
 
     def __init__(self, stream: Stream[str]) -> None:
         self.stream = stream
-        self.drawn = False
+        self.bar: Any = None
+        self.done = 0
 
     def __call__(self, done: int, total: int) -> None:
-        filled = int(self.WIDTH * done / total) if total else self.WIDTH
-        percent = int(100 * done / total) if total else 100
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(f"\r[{bar}] {percent:3d}%  {done:,}/{total:,} events")
-        self.stream.flush()
-        self.drawn = True
+        import click
+
+        if self.bar is None:
+            self.bar = click.progressbar(
+                length=total,
+                label="events",
+                file=cast(TextIO, self.stream),
+                show_pos=True,
+                show_percent=True,
+            )
+        self.bar.length = max(self.bar.length, total)
+        self.bar.update(done - self.done)
+        self.done = done
 
     def close(self) -> None:
-        if self.drawn:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.render_finish()
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -351,3 +269,13 @@ def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], limit: int 
 def _cut(text: str, limit: int) -> str:
     text = text.replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+#: subcommand name → the function that runs it, given the parsed options
+HANDLERS: dict[str, Handler] = {
+    "list": list_leases,
+    "show": show,
+    "release": release,
+    "reclaim": reclaim,
+    "prune": prune,
+}

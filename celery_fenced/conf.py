@@ -9,9 +9,9 @@ from __future__ import annotations
 import fnmatch
 import math
 import operator
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, cast
 
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
@@ -22,19 +22,6 @@ ON_BUSY_CHOICES = ("retry", "skip", "fail")
 TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim")
 #: task name prefixes a glob pattern never selects (an exact name still does)
 NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
-
-DEFAULTS: dict[str, Any] = {
-    "fenced_tasks": {},
-    "fenced_default_ttl": 60.0,
-    "fenced_renew_interval": None,
-    "fenced_on_busy": "retry",
-    "fenced_database": None,
-    "fenced_reclaim": None,
-    "fenced_reclaim_max": 3,
-    "fenced_reclaim_grace": 1.0,
-    "fenced_reclaim_resend_after": 300.0,
-    "fenced_duplicate_window": 86400.0,
-}
 
 
 def validate_ttl(value: object, name: str) -> float:
@@ -179,6 +166,21 @@ class FencedSettings:
         )
 
 
+def _defaults() -> dict[str, Any]:
+    """Each setting's name (``fenced_`` + the field) and default, read off FencedSettings."""
+    values: dict[str, Any] = {}
+    for setting in fields(FencedSettings):
+        if setting.default is not MISSING:
+            values[f"fenced_{setting.name}"] = setting.default
+        else:
+            values[f"fenced_{setting.name}"] = cast(Callable[[], Any], setting.default_factory)()
+    return values
+
+
+#: the settings and their defaults (``fenced_*`` on the Celery app)
+DEFAULTS: dict[str, Any] = _defaults()
+
+
 def _raw_settings(app: Any = None) -> dict[str, Any]:
     values = dict(DEFAULTS)
     conf = None
@@ -214,9 +216,9 @@ def load(app: Any = None) -> FencedSettings:
     by the next call. Invalid settings are never kept: every call raises until fixed.
     """
     if app is None:
-        from celery._state import get_current_app
+        from celery.app import app_or_default
 
-        app = get_current_app()  # the app itself: each access through the proxy costs
+        app = app_or_default()  # the app itself: each access through the proxy costs
     kept = getattr(app, _CACHE_ATTRIBUTE, None)
     if kept is not None:
         stamp = _stamp(app)
@@ -242,17 +244,34 @@ def _stamp(app: Any) -> tuple[tuple[int, int], tuple[Any, ...]] | None:
     """What the settings were read from: counters, and objects compared by identity.
 
     ``app.conf``, its maps (Celery can swap a configuration in place) and its own changes
-    of the ``fenced_*`` names; Django's settings holder, which ``override_settings``
-    replaces on every change. None when the app's configuration is not a Celery
-    ``Settings`` (yet): then nothing is kept.
+    of the ``fenced_*`` names; Django's settings holder and the count of its announced
+    changes (``setting_changed``).
+    None when the app's configuration is not a Celery ``Settings`` (yet): then nothing
+    is kept.
     """
     conf = app.conf
     changes = getattr(conf, "changes", None)
     if not isinstance(changes, dict):
         return None
-    holder = django_settings._wrapped  # type: ignore[misc]
     maps = conf.maps
-    return (_generation, len(maps)), (holder, conf, *maps, *map(changes.get, _CHANGE_KEYS))
+    return (_generation, len(maps)), (
+        _django_holder(),
+        conf,
+        *maps,
+        *map(changes.get, _CHANGE_KEYS),
+    )
+
+
+def _django_holder() -> object:
+    """The object that holds Django's settings now, compared by identity.
+
+    ``override_settings`` replaces it on every change, and announces each changed name
+    with ``setting_changed`` (counted in ``_generation``), but a deletion through
+    pytest-django's ``settings`` fixture announces nothing. Django has no public way to
+    see that; the alternative, reading the ten ``CELERY_FENCED_*`` names on every call,
+    measured 16 times slower (42 µs against 2.5 µs a call) on the path of every task.
+    """
+    return django_settings._wrapped  # type: ignore[misc]
 
 
 def _all_same(kept: tuple[Any, ...], now: tuple[Any, ...]) -> bool:

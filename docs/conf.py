@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 
@@ -13,7 +14,7 @@ django.setup()
 
 project = "celery-fenced"
 author = "celery-fenced developers"
-release = "0.1.0"
+release = importlib.metadata.version("celery-fenced")  # written once, in pyproject.toml
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 html_theme = "furo"

@@ -14,7 +14,7 @@ reclaimer (``celery_fenced.reclaim.reclaim_expired``), called here in a loop. Th
 :func:`check` reads the ledger, the trace, the results and the lease events and verifies the
 invariants; the summary table is printed and the exit status is 1 when any invariant failed.
 
-Uses the servers named by ``FENCED_PG_*``/``FENCED_REDIS_URL`` (``tests.services``), else
+Uses the servers named by ``FENCED_PG_*``/``FENCED_REDIS_URL`` (``devtools.services``), else
 starts throwaway ones. The PostgreSQL restart needs ``FENCED_PG_DATA``, ``FENCED_PG_BINDIR``
 and ``FENCED_PG_OPTIONS``. See docs/reliability.md.
 """
@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from devtools import services
+from devtools.workers import Worker, wait_for
+
 from . import chaos_workload as workload
-from . import services
 from .chaos_workload import GRANTS, Job
-from .workers import Worker, wait_for
 
 RECEIVED = re.compile(r"^\[([\d-]+ [\d:,]+): INFO/MainProcess\] Task \S+\[([\w-]+)\] received")
 #: a dead or stopped owner's grant may outlive its death by the ttl plus this (seconds)

@@ -1,4 +1,10 @@
-"""Shared fixtures: every database test runs on SQLite *and* PostgreSQL."""
+"""Shared fixtures: every database test runs on SQLite *and* PostgreSQL.
+
+The tests are in three layers: ``unit`` (no database, broker or process: runs anywhere),
+``integration`` (the real databases, SQLite and PostgreSQL, through Celery's tracer and the
+real backend; no worker process) and ``acceptance`` (real ``celery worker`` processes on
+Redis, the browser, the wheel, the demo, the chaos runner).
+"""
 
 from __future__ import annotations
 
@@ -13,12 +19,13 @@ from django.db import connections
 DATABASE_ALIASES = ["default", "postgres"]
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def require_servers() -> None:
+    """The integration and acceptance layers run on PostgreSQL too, never silently not."""
     if "postgres" not in settings.DATABASES:
         raise pytest.UsageError(
             "PostgreSQL is not configured (FENCED_PG_PORT is unset): run the suite with "
             "`bash tests/run.sh`, which starts a throwaway server. There is no silent "
-            "fallback to SQLite."
+            "fallback to SQLite. (`pytest tests/unit` needs no server.)"
         )
 
 
@@ -59,7 +66,7 @@ def start_worker(
     """Start real `celery worker` processes on ``alias``'s database; stopped afterwards."""
     import redis
 
-    from .workers import Worker
+    from devtools.workers import Worker
 
     redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushdb()
     started: list[Worker] = []
@@ -100,17 +107,7 @@ def wait_until_blocked(alias: str, thread: Any) -> None:
         thread.join(timeout=0.5)
         assert thread.is_alive()
         return
-    import psycopg
-
-    settings = connections[alias].settings_dict
-    with psycopg.connect(
-        host=settings["HOST"],
-        port=settings["PORT"],
-        user=settings["USER"],
-        password=settings["PASSWORD"],
-        dbname=settings["NAME"],
-        autocommit=True,
-    ) as watcher:
+    with side_connection(alias) as watcher:
         while time.monotonic() < deadline:
             row = watcher.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
@@ -121,3 +118,26 @@ def wait_until_blocked(alias: str, thread: Any) -> None:
             assert thread.is_alive()
             time.sleep(0.02)
     raise AssertionError("the duplicate's statement never waited for the lease row")
+
+
+def side_connection(alias: str) -> Any:
+    """A psycopg connection of its own to ``alias``'s PostgreSQL database (autocommit)."""
+    import psycopg
+
+    settings = connections[alias].settings_dict
+    return psycopg.connect(
+        host=settings["HOST"],
+        port=settings["PORT"],
+        user=settings["USER"],
+        password=settings["PASSWORD"],
+        dbname=settings["NAME"],
+        autocommit=True,
+    )
+
+
+def terminate_connection(alias: str) -> None:
+    """End this thread's PostgreSQL session of ``alias`` from the server's side."""
+    connection = connections[alias]
+    connection.ensure_connection()
+    with side_connection(alias) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])

@@ -6,13 +6,7 @@ import os
 import random
 from typing import Any
 
-
-def setup_django() -> None:
-    os.environ["FENCED_USE_TEST_DATABASES"] = "1"
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
-    import django
-
-    django.setup()
+from devtools.workers import setup_django
 
 
 def race_rounds(alias: str, key: str, rounds: int, barrier: Any, results: Any) -> None:

@@ -14,11 +14,11 @@ fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint,docs]'
 
 # the admin's browser tests drive Debian's chromium (installed with apt when missing)
-"$VENV/bin/python" -m tests.services chromium >/dev/null
+"$VENV/bin/python" -m devtools.services chromium >/dev/null
 
 RUN_DIR=$(mktemp -d /tmp/celery-fenced-services.XXXXXX)
-trap '"$VENV/bin/python" -m tests.services stop "$RUN_DIR"' EXIT
-eval "$("$VENV/bin/python" -m tests.services start "$RUN_DIR")"
+trap '"$VENV/bin/python" -m devtools.services stop "$RUN_DIR"' EXIT
+eval "$("$VENV/bin/python" -m devtools.services start "$RUN_DIR")"
 export FENCED_RUN_DIR="$RUN_DIR"
 
 echo "== ruff"

@@ -3,7 +3,7 @@
 Acquire, renew, release, force-release and guard, and the named operations the rest of
 the package needs (prove a result write, renew many, claim expired grants, record a
 duplicate). Its dialects (:mod:`celery_fenced.store.dialects`) are private to it; a test
-(``tests/test_boundaries.py``) checks that nothing else imports them.
+(``tests/unit/test_boundaries.py``) checks that nothing else imports them.
 
 Usable without Celery::
 

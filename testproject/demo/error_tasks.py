@@ -1,6 +1,6 @@
 """A task that ends in each celery-fenced error, so the tests can read them back.
 
-Loaded by the workers of ``tests/test_exceptions.py`` with
+Loaded by the workers of ``tests/acceptance/test_exceptions.py`` with
 ``--include testproject.demo.error_tasks``; ``AsyncResult.get()`` must raise the same
 class with the same data, whatever the result serializer.
 """

@@ -1,4 +1,9 @@
-"""``python manage.py fenced list|show|release|prune``: see :mod:`celery_fenced.commands`."""
+"""``manage.py fenced list|show|release|reclaim|prune``: the one parser of the subcommands.
+
+``celery -A proj fenced …`` (:mod:`celery_fenced.cli`) hands its arguments to this
+command, so both take the same arguments and print the same help. What each subcommand
+does is in :mod:`celery_fenced.commands`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_fenced import commands
 
+DATABASE_HELP = "Database alias of the lease table (default: fenced_database, or the router's)."
+JSON_HELP = "Print JSON instead of a table."
+
 
 class Command(BaseCommand):
     help = commands.HELP
@@ -16,35 +24,87 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="subcommand", metavar="SUBCOMMAND", title="subcommands", required=True
         )
-        for spec in commands.SUBCOMMANDS.values():
-            sub = subparsers.add_parser(spec.name, help=spec.help, description=spec.help)
-            for arg in spec.args:
-                sub.add_argument(*_names(arg), **_argparse_options(arg))
+
+        def subcommand(name: str, help: str) -> Any:
+            sub = subparsers.add_parser(name, help=help, description=help)
+            sub.add_argument("--database", metavar="ALIAS", help=DATABASE_HELP)
+            return sub
+
+        listing = subcommand(
+            "list", "List leases, newest grant first, with their state by the database's clock."
+        )
+        listing.add_argument("--state", choices=commands.STATES, help="Only leases in this state.")
+        listing.add_argument("--task", metavar="NAME", help="Only leases of this task name.")
+        listing.add_argument(
+            "--prefix", metavar="KEY_PREFIX", help="Only keys starting with this."
+        )
+        listing.add_argument(
+            "--limit",
+            type=int,
+            default=commands.LIST_LIMIT,
+            help="At most this many rows (0: all).",
+        )
+        listing.add_argument("--json", action="store_true", help=JSON_HELP)
+
+        show = subcommand("show", "Show one lease and its recent events.")
+        show.add_argument("key", metavar="KEY", help="The lease key.")
+        show.add_argument(
+            "--events",
+            type=int,
+            default=commands.SHOW_EVENTS,
+            metavar="N",
+            help="How many recent events.",
+        )
+        show.add_argument("--json", action="store_true", help=JSON_HELP)
+
+        release = subcommand(
+            "release",
+            "Force-release KEY: end its grant and fence its holder out (recorded as cli:USER).",
+        )
+        release.add_argument("key", metavar="KEY", help="The lease key.")
+        release.add_argument(
+            "--by", metavar="NAME", help="Who is releasing (default: your user name)."
+        )
+
+        reclaim = subcommand(
+            "reclaim",
+            "Re-send, with the same task id, every job whose lease expired before it finished.",
+        )
+        reclaim.add_argument(
+            "--grace", type=float, metavar="S", help="Seconds past expiry before a job is re-sent."
+        )
+        reclaim.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="Show what would be re-sent or abandoned; change nothing.",
+        )
+
+        prune = subcommand(
+            "prune",
+            "Delete events older than DAYS, in batches. Lease rows (and so tokens) are kept. "
+            "Completed-duplicate detection reaches back only as far as events are kept.",
+        )
+        prune.add_argument(
+            "--older-than",
+            type=float,
+            required=True,
+            metavar="DAYS",
+            help="Age in days, by the DB clock.",
+        )
+        prune.add_argument(
+            "--batch-size",
+            type=int,
+            default=10_000,
+            metavar="N",
+            help="Events deleted per statement.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        spec = commands.SUBCOMMANDS[options["subcommand"]]
+        run = commands.HANDLERS[options["subcommand"]]
         # the raw stream: OutputWrapper.write would end every redraw of the bar with "\n"
         tty = cast(TextIO, self.stderr._out) if self.stderr.isatty() else None
         io = commands.IO(write=self.stdout.write, error=self.stderr.write, progress=tty)
         try:
-            spec.run(io, {arg.dest: options.get(arg.dest) for arg in spec.args})
+            run(io, options)
         except commands.CommandFailed as exc:
             raise CommandError(str(exc)) from None
-
-
-def _names(arg: commands.Arg) -> list[str]:
-    return [arg.dest] if arg.positional else [arg.name]
-
-
-def _argparse_options(arg: commands.Arg) -> dict[str, Any]:
-    if arg.flag:
-        return {"action": "store_true", "help": arg.help}
-    options: dict[str, Any] = {"help": arg.help, "type": arg.type}
-    if arg.metavar:
-        options["metavar"] = arg.metavar
-    if arg.choices:
-        options["choices"] = arg.choices
-    if not arg.positional:
-        options["default"] = arg.default
-        options["required"] = arg.required
-    return options

@@ -18,8 +18,8 @@ RESULT = TaskResult._meta.db_table
 
 
 #: the event kinds and reclaim states the SQL dialects write, as SQL literals: written out
-#: (the SQL checker of tests/test_security.py accepts only fixed text), and checked
-#: against the model's enums by tests/test_kinds.py
+#: (the SQL checker of tests/acceptance/test_security.py accepts only fixed text), and checked
+#: against the model's enums by tests/unit/test_kinds.py
 SQL_ACQUIRED = "'acquired'"
 SQL_RECLAIMED = "'reclaimed'"
 SQL_RELEASED = "'released'"

@@ -1,0 +1,68 @@
+"""The benchmarks run: ``python -m benchmarks --smoke`` (tiny sizes, numbers meaningless)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = ("1 end to end", "2 round trips", "3 lock cycles", "4 scale", "5 renewal")
+
+
+def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
+    from benchmarks.e2e import _lines
+    from benchmarks.report import svg
+
+    names = ("plain", "fenced", "fenced-reuse", "plain-reuse", "redis-lock")
+    times = {name: [1.0, 1.0] for name in (*names, "plain-acks-late-reuse")}
+    cpu = {name: [0.0, 0.0] for name in times}  # a smoke batch can take 0 CPU ticks
+    cpu["fenced"] = [0.02, 0.0]
+    counts = {"plain": {"total": 3, "data": 2, "control": 1}}
+    counts["fenced"] = {"total": 4, "data": 3, "control": 1}
+    lines = _lines(10, times, cpu, counts)
+    cpu_lines = [line for line in lines if line.case.startswith("CPU")]
+    assert cpu_lines
+    assert all(line.ratio is None and line.shown_ratio == "" for line in cpu_lines)
+    assert svg(lines).startswith("<svg")
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(400)
+def test_benchmarks__smoke_run_prints_and_writes_every_row(tmp_path: Path) -> None:
+    output, raw_path = tmp_path / "benchmarks.md", tmp_path / "raw.json"
+    command = ["-m", "benchmarks", "--smoke", "--output", str(output), "--json", str(raw_path)]
+    # its own servers and settings: nothing of the suite's environment leaks in
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("FENCED_", "BENCH_", "DJANGO_SETTINGS_MODULE"))
+    }
+    run = subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    table = [line for line in run.stdout.splitlines() if line.startswith("| ")]
+    missing = [row for row in ROWS if not any(line.startswith(f"| {row} |") for line in table)]
+    assert not missing, run.stdout
+    assert "Versions: celery-fenced" in run.stdout
+    text = output.read_text()
+    assert text.startswith("# Benchmarks")
+    assert "<!-- benchmark-results:start -->" in text
+    assert "| 5 renewal |" in text
+    assert (tmp_path / "benchmarks.svg").read_text().startswith("<svg")
+    raw = json.loads(raw_path.read_text())
+    statements = raw["statements"]
+    assert statements["plain"]["total"] > 0, "PostgreSQL counted no statements"
+    assert statements["fenced"]["total"] > statements["plain"]["total"]
+    assert raw["renewal"]["statements"] > 0
+    assert raw["renewal"]["lost"] >= 0  # a lease lost on a loaded machine is a measurement

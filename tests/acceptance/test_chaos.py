@@ -1,0 +1,459 @@
+"""The chaos runner: its short form with real workers, and its checker on hand-made histories.
+
+The short form (``python -m tests.chaos --trials 40``, one to two minutes) runs in the suite;
+the long form is on demand (docs/reliability.md), and its entry point is run here the way
+the docs show it, with a few jobs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connections
+from django_celery_results.models import TaskResult
+
+from celery_fenced.models import Lease, LeaseEvent
+from testproject.demo import chaos_tasks
+from testproject.demo.models import ChaosEntry, ChaosSlot
+from tests import chaos, chaos_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: the bugs behind the checker's known causes (docs/reliability.md, known issues)
+KNOWN = {
+    # not the package's: kombu's Redis transport, under SIGKILL
+    chaos.LOST_IN_BROKER: "not celery-fenced: kombu's Redis transport lost a message (a "
+    "worker was SIGKILLed between its BRPOP and recording the message as unacknowledged; "
+    "the message is then in neither the queue nor the unacked hash), so no worker ever "
+    "received it and, never granted, the reclaimer cannot send it again",
+}
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(300)
+def test_chaos__short_form_keeps_every_invariant(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    command = [
+        sys.executable,
+        "-m",
+        "tests.chaos",
+        "--trials",
+        "40",
+        "--rate",
+        "1.0",
+        "--drain-timeout",
+        "60",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--json",
+        str(report),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        run = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=270
+        )
+    finally:
+        connections.close_all()  # PostgreSQL was restarted under this process's connections
+    print(run.stdout[-12000:], run.stderr[-4000:])
+    assert report.exists(), f"the runner did not finish (exit {run.returncode})"
+    data = json.loads(report.read_text())
+    rows = data["rows"]
+    assert rows["trials (jobs)"] == 40
+    assert rows["PostgreSQL restarts"] == 1
+    assert rows["pauses (whole worker)"] + rows["pauses (main process only)"] > 0
+    assert rows["kills (and restarts)"] > 0
+    assert rows["stale writes accepted"] == 0
+    assert rows["effects applied twice"] == 0
+    # the invariants at Celery's seams are in the summary, each a count that must be 0
+    assert all(row in rows for row in chaos_workload.SEAMS.values())
+    violations = data["violations"]
+    if violations and all(v["cause"] in KNOWN for v in violations):
+        pytest.xfail("; ".join(KNOWN[c] for c in sorted({v["cause"] for v in violations})))
+    assert not violations, "\n".join(f"{v['kind']}: {v['text']}" for v in violations)
+    assert run.returncode == 0
+
+
+# -- the checker on hand-made histories ---------------------------------------------------
+def db(test: Any) -> Any:
+    """A checker test: the databases of a transactional test, and an empty trace table."""
+    return pytest.mark.usefixtures("trace_table")(pytest.mark.django_db(transaction=True)(test))
+
+
+@pytest.fixture
+def trace_table() -> None:
+    """The trace table, empty (raw SQL, so a transactional test's flush does not clear it)."""
+    chaos_tasks.create_trace_table()
+    with connections["default"].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {chaos_tasks.TRACE}")
+
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def grant(key: str, token: int, owner: str, task_id: str, when: float) -> Lease:
+    lease, _ = Lease.objects.update_or_create(
+        key=key,
+        defaults={
+            "token": token,
+            "owner": owner,
+            "task_id": task_id,
+            "acquired_at": at(when),
+            "renewed_at": at(when),
+            "expires_at": at(when + 2),
+            "released_at": None,
+        },
+    )
+    LeaseEvent.objects.create(
+        lease=lease,
+        kind="acquired" if token == 1 else "reclaimed",
+        token=token,
+        task_id=task_id,
+        owner=owner,
+        at=at(when),
+    )
+    return lease
+
+
+def release(lease: Lease, token: int, when: float, state: str = "SUCCESS") -> None:
+    Lease.objects.filter(pk=lease.pk).update(released_at=at(when))
+    LeaseEvent.objects.create(
+        lease=lease,
+        kind="released",
+        token=token,
+        task_id=lease.task_id,
+        owner=lease.owner,
+        at=at(when),
+        detail={"state": state},
+    )
+
+
+def write(job: str, key: str, token: int, owner: str, seen: int, ended: bool = False) -> None:
+    ChaosEntry.objects.create(
+        job=job,
+        lease_key=key,
+        token=token,
+        owner=owner,
+        via="guard",
+        written_at=at(1),
+        grant_seen=seen,
+        end_seen=ended,
+    )
+
+
+def done(task_id: str, status: str = "SUCCESS", result: Any = None) -> None:
+    TaskResult.objects.create(
+        task_id=task_id, status=status, result=json.dumps(result or {"applied": True})
+    )
+
+
+def one_job(job: str, task_id: str, task: str = "chaos.guarded") -> chaos.Job:
+    ChaosSlot.objects.get_or_create(job=job)
+    return chaos.Job(job, task, task_id, 0.1)
+
+
+def run_check(jobs: list[chaos.Job], **events: Any) -> list[tuple[str, str]]:
+    report = chaos.check(jobs, chaos.Events(**events), chaos.Options(ttl=2), stopped_at=at(100))
+    return [(v.kind, v.cause) for v in report.violations]
+
+
+@db
+def test_checker__clean_history_has_no_violation() -> None:
+    job = one_job("j1", "t1")
+    grant("chaos:j1", 1, "a", "t1", 0)
+    taken = grant("chaos:j1", 2, "b", "t1", 3)  # a took too long; b took over
+    write("j1", "chaos:j1", 2, "b", seen=2)
+    release(taken, 2, 4)
+    done("t1")
+    assert run_check([job]) == []
+
+
+@db
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("stale-write", ("stale-accepted", "")),
+        ("write-after-release", ("stale-accepted", "")),
+        ("never-granted", ("stale-accepted", "")),
+        ("applied-twice", ("effect-count", "")),
+        ("never-applied", ("effect-count", "")),
+        ("no-result", ("not-final", "")),
+        ("token-gap", ("tokens", "")),
+    ],
+)
+def test_checker__each_violation_is_seen(case: str, expected: tuple[str, str]) -> None:
+    job = one_job("j1", "t1")
+    grant("chaos:j1", 1, "a", "t1", 0)
+    second = grant("chaos:j1", 2 if case != "token-gap" else 3, "b", "t1", 3)
+    if case == "stale-write":  # a wrote under token 1 after b's grant of token 2
+        write("j1", "chaos:j1", 1, "a", seen=2)
+    elif case == "write-after-release":
+        write("j1", "chaos:j1", 2, "b", seen=2, ended=True)
+    elif case == "never-granted":
+        write("j1", "chaos:j1", 2, "a", seen=2)
+    elif case == "applied-twice":
+        write("j1", "chaos:j1", 1, "a", seen=1)
+        write("j1", "chaos:j1", 2, "b", seen=2)
+    elif case != "never-applied":
+        write("j1", "chaos:j1", second.token, "b", seen=second.token)
+    release(second, second.token, 4)
+    if case != "no-result":
+        done("t1")
+    assert expected in run_check([job])
+
+
+@db
+def test_checker__held_past_expiry_and_dropped_retry_are_named() -> None:
+    job = one_job("j1", "t1")
+    lease = grant("chaos:j1", 1, "a", "t1", 0)
+    release(lease, 1, 1, state="FAILURE")
+    LeaseEvent.objects.create(lease=lease, kind="duplicate", task_id="t1", owner="b", at=at(2))
+    done("t1", "FAILURE", {"exc_type": "OperationalError", "exc_message": ["restart"]})
+    found = run_check([job], held_past_expiry=["'k' token 3 held by dead-owner"])
+    assert ("effect-count", chaos.RETRY_DROPPED) in found
+    assert ("failed", chaos.RETRY_DROPPED) in found
+    assert ("held-past-expiry", "") in found
+
+
+@db
+def test_checker__database_error_before_the_grant_is_named() -> None:
+    job = one_job("j1", "t1")
+    done("t1", "FAILURE", {"exc_type": "OperationalError", "exc_message": ["refused"]})
+    found = run_check([job])
+    assert ("effect-count", chaos.DB_ERROR_BEFORE_GRANT) in found
+    assert ("failed", chaos.DB_ERROR_BEFORE_GRANT) in found
+
+
+@db
+@pytest.mark.parametrize("killed", [True, False])
+def test_checker__job_never_received_is_lost_in_the_broker_only_after_a_kill(
+    killed: bool,
+) -> None:
+    job = one_job("j1", "t1")
+    job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
+    kills = [dt.datetime(2026, 1, 1, 12, 0, 1)] if killed else []
+    found = run_check([job], kill_times=kills)
+    cause = chaos.LOST_IN_BROKER if killed else ""
+    assert ("not-final", cause) in found
+
+
+@db
+def test_checker__job_received_only_during_the_restart_is_named() -> None:
+    job = one_job("j1", "t1")
+    began = dt.datetime(2026, 1, 1, 12, 0)
+    found = run_check(
+        [job],
+        pg_restart_window=(began, began + dt.timedelta(seconds=1)),
+        receipts={"t1": [began + dt.timedelta(seconds=1.5)]},
+    )
+    assert ("not-final", chaos.DB_ERROR_BEFORE_GRANT) in found
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(420)
+def test_chaos__long_form_entry_point_starts_its_own_servers(tmp_path: Path) -> None:
+    """``python -m tests.chaos --trials N`` as docs/reliability.md shows it: no FENCED_* servers
+    in the environment (it starts throwaway ones in its own ``mkdtemp`` folder, 0700), run
+    from a folder only its owner may enter. As root, initdb and pg_ctl run as ``postgres``,
+    which can enter neither."""
+    cwd = tmp_path / "private"
+    cwd.mkdir(mode=0o700)
+    report = tmp_path / "report.json"
+    env = {name: value for name, value in os.environ.items() if not name.startswith("FENCED_")}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "tests.chaos", "--trials", "4", "--json", str(report)]
+    run = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=360)
+    print(run.stdout[-6000:], run.stderr[-6000:])
+    assert report.exists(), f"the runner did not finish (exit {run.returncode})"
+    assert run.returncode in (0, 1)  # 1: an invariant failed (the short form's business)
+    rows = json.loads(report.read_text())["rows"]
+    assert rows["trials (jobs)"] == 4
+    assert rows["PostgreSQL restarts"] == 1
+
+
+# -- the invariants at Celery's seams, on hand-made histories ------------------------------
+def trace(kind: str, task_id: str, parent_id: str, token: int | None, value: Any = None) -> None:
+    row = chaos_tasks.Trace(
+        0, kind, "chaos.step", "j", 0, task_id, parent_id, token, "", "w9", 0, value, None
+    )
+    chaos_tasks.record(row)
+
+
+def stored(task_id: str, token: int | None, status: str = "SUCCESS") -> dict[str, Any]:
+    value = {"job": "j", "step": 0, "task_id": task_id, "token": token}
+    TaskResult.objects.create(
+        task_id=task_id,
+        status=status,
+        result=json.dumps(value),
+        meta=json.dumps({"fencing_token": token}),
+    )
+    return value
+
+
+def seam_job(kind: str, ids: dict[str, str]) -> chaos.Job:
+    return chaos.Job("j", f"chaos.{kind}", next(iter(ids.values())), 0.0, kind=kind, ids=ids)
+
+
+def chain_history(case: str) -> chaos.Job:
+    v0 = stored("s0", 2)
+    v1 = stored("s1", 1)
+    stored("s2", 1)
+    trace("sent", "s1", "s0", 2)
+    trace("run", "s1", "s0", 1, v0)
+    trace("sent", "s2", "s1", 1)
+    trace("run", "s2", "s1", 1, v1)
+    if case == "stale-send":  # s0's first execution (token 1) sent s1 too
+        trace("sent", "s1", "s0", 1)
+    elif case == "sent-twice":
+        trace("sent", "s2", "s1", 1)
+    elif case == "stale-value":  # s1 ran with what s0's stale execution returned
+        trace("run", "s1", "s0", 1, {**v0, "token": 1})
+    return seam_job("chain", {"s0": "s0", "s1": "s1", "s2": "s2"})
+
+
+def chord_history(case: str) -> chaos.Job:
+    values = [stored(f"h{n}", 1) for n in range(3)]
+    stored("body", None)
+    if case != "never-fired":
+        trace("sent", "body", "h2", 1, values)
+        trace("run", "body", "h2", None, values)
+    if case == "fired-twice":  # a stale execution of h1 counted twice and sent it again
+        trace("sent", "body", "h1", 0, values)
+    elif case == "early":  # sent before every header had stored its result
+        trace("run", "body", "h1", None, values[:2])
+    return seam_job("chord", {"h0": "h0", "h1": "h1", "h2": "h2", "body": "body"})
+
+
+def link_history(case: str) -> chaos.Job:
+    failed = case in ("errback", "errback-twice", "callback-on-failure")
+    value = stored("p", 2, "FAILURE" if failed else "SUCCESS")
+    if failed:
+        stored("eb", None)
+        trace("sent", "eb", "p", 2, "p")
+        trace("run", "eb", "p", None, "p")
+    else:
+        stored("cb", None)
+        trace("sent", "cb", "p", 2, value)
+        trace("run", "cb", "p", None, value)
+    if case in ("errback-on-success", "errback-twice"):
+        trace("sent", "eb", "p", 2, "p")
+    elif case == "stale-errback":  # the stale execution (token 1) failed: its errback fired
+        trace("sent", "eb", "p", 1, "p")
+    elif case == "callback-on-failure":  # a stale execution succeeded and sent the callback
+        trace("sent", "cb", "p", 1, {**value, "token": 1})
+    job = seam_job("link", {"parent": "p", "link": "cb", "errback": "eb"})
+    job.fail = failed
+    return job
+
+
+@db
+@pytest.mark.parametrize(
+    ("history", "case", "expected"),
+    [
+        (chain_history, "clean", None),
+        (chain_history, "stale-send", "successor"),
+        (chain_history, "sent-twice", "successor"),
+        (chain_history, "stale-value", "successor"),
+        (chord_history, "clean", None),
+        (chord_history, "never-fired", "chord-body"),
+        (chord_history, "fired-twice", "chord-body"),
+        (chord_history, "early", "chord-body"),
+        (link_history, "clean", None),
+        (link_history, "errback", None),
+        (link_history, "errback-on-success", "errback"),
+        (link_history, "errback-twice", "errback"),
+        (link_history, "stale-errback", "errback"),
+        (link_history, "callback-on-failure", "successor"),
+    ],
+)
+def test_checker__messages_sent_for_a_task_are_counted(
+    history: Any, case: str, expected: str | None
+) -> None:
+    job = history(case)
+    found = {kind for kind, _ in run_check([job])}
+    if expected is None:
+        assert found == set()
+    else:
+        assert expected in found
+        assert found <= {expected, "successor"}  # a stale value may show on its edge too
+
+
+@db
+@pytest.mark.parametrize(
+    ("stopped", "expected"),
+    [
+        (None, [("ended-by-other", "")]),
+        ((-1, 0.5), []),  # stopped while it held the grant: it may have been past expiry
+        ((0.5, None), []),  # killed
+        ((-3, -1), [("ended-by-other", "")]),  # stopped before its grant: no excuse
+    ],
+)
+def test_checker__grant_ended_while_its_holder_ran(
+    stopped: tuple[float, float | None] | None, expected: list[tuple[str, str]]
+) -> None:
+    lease = grant("step:j:0", 1, "w1-abc@vm:10:1", "t1", 0)
+    for kind, when in (("force_released", 1), ("stale_write_rejected", 1.5)):
+        LeaseEvent.objects.create(
+            lease=lease, kind=kind, token=1, task_id="t1", owner=lease.owner, at=at(when)
+        )
+    stops = []
+    if stopped is not None:
+        begin, end = stopped
+        stops = [["w1-abc@", at(begin), None if end is None else at(end)]]
+    assert run_check([], stops=stops) == expected
+
+
+@db
+@pytest.mark.parametrize("asked", [False, True])
+def test_checker__completed_task_run_again(asked: bool) -> None:
+    first = grant("step:j:0", 1, "a", "t1", 0)
+    release(first, 1, 1)
+    grant("step:j:0", 2, "b", "t1", 2)
+    trace("run", "t1", "", 2)
+    if asked:  # the completed execution itself sent the retry
+        trace("sent", "t1", "t1", 1)
+    found = run_check([])
+    assert found == ([] if asked else [("completed-rerun", "")])
+
+
+@db
+def test_checker__chord_body_never_sent_is_not_lost_in_the_broker() -> None:
+    job = chord_history("never-fired")
+    TaskResult.objects.filter(task_id="body").delete()
+    job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
+    found = run_check([job], kill_times=[dt.datetime(2026, 1, 1, 12, 0, 1)])
+    assert sorted(found) == [("chord-body", ""), ("not-final", "")]
+
+
+@db
+@pytest.mark.parametrize(
+    ("exc_type", "expected"), [("StaleToken", []), ("ValueError", [("failed", "")])]
+)
+def test_checker__competing_job_may_fail_only_with_stale_token(
+    exc_type: str, expected: list[tuple[str, str]]
+) -> None:
+    job = seam_job("compete", {"a": "a", "b": "b"})
+    stored("a", 2)
+    TaskResult.objects.create(
+        task_id="b", status="FAILURE", result=json.dumps({"exc_type": exc_type})
+    )
+    assert run_check([job]) == expected
+
+
+@db
+def test_checker__chain_whose_first_step_the_broker_lost_is_one_loss() -> None:
+    job = seam_job("chain", {"s0": "s0", "s1": "s1", "s2": "s2"})
+    job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
+    found = run_check([job], kill_times=[dt.datetime(2026, 1, 1, 12, 0, 1)])
+    assert found == [("not-final", chaos.LOST_IN_BROKER)]

@@ -1,0 +1,134 @@
+"""The fenced errors survive the result backend: same class, same data, JSON and pickle."""
+
+from __future__ import annotations
+
+import datetime as dt
+import pickle
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.backends.base import BaseBackend
+
+from celery_fenced import LeaseBusy, LeaseLost, StaleToken, acquire
+from celery_fenced.exceptions import AlreadyCompleted, FencedError
+from devtools.workers import broker_app, send
+
+SERIALIZERS = ["json", "pickle"]
+EXPIRES = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+ERRORS = [
+    StaleToken("report:42", 7, 8),
+    StaleToken("report:42", 7, None),
+    LeaseBusy("report:42", holder="w1:12:3", token=8, remaining=12.5, expires_at=EXPIRES),
+    LeaseBusy("report:42"),
+    LeaseLost("report:42", 7, "expired"),
+    AlreadyCompleted("report:42", "task-id", 2),
+]
+
+
+def _data(exc: BaseException) -> dict[str, Any]:
+    return {**vars(exc), "str": str(exc), "class": type(exc)}
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+@pytest.mark.parametrize("exc", ERRORS, ids=repr)
+def test_exceptions__rebuilt_by_celery_with_their_data(serializer: str, exc: FencedError) -> None:
+    app = Celery(set_as_current=False)
+    app.conf.result_accept_content = SERIALIZERS
+    backend = BaseBackend(app, serializer=serializer)
+    stored = backend.encode(backend.prepare_exception(exc))
+    rebuilt = backend.exception_to_python(backend.decode(stored))
+    assert _data(rebuilt) == _data(exc)
+    app.close()
+
+
+@pytest.mark.parametrize("exc", ERRORS, ids=repr)
+def test_exceptions__pickle_and_args(exc: FencedError) -> None:
+    assert _data(pickle.loads(pickle.dumps(exc))) == _data(exc)
+    assert _data(type(exc)(*exc.args)) == _data(exc)  # what Celery's JSON path calls
+
+
+def test_exceptions__messages_name_the_data() -> None:
+    assert str(StaleToken("k", 3, 4)) == "stale fencing token 3 for 'k' (current token is 4)"
+    assert str(LeaseBusy("k", holder="h", token=5, remaining=2)) == (
+        "lease 'k' is held by h (token 5) for 2.0s more"
+    )
+    assert str(LeaseLost("k", 2, "expired")) == "lease 'k' under token 2 was lost: expired"
+    assert str(FencedError()) == "A celery-fenced error."
+
+
+TASK = "errors.raise_fenced_error"
+INCLUDE = ["--include", "testproject.demo.error_tasks"]
+
+
+@pytest.mark.workers
+@pytest.mark.timeout(180)
+@pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
+@pytest.mark.parametrize("alias", ["postgres"])
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_exceptions__async_result_get_raises_them_from_a_real_worker(
+    alias: str, lease_db: str, start_worker: Any, serializer: str
+) -> None:
+    import os
+
+    start_worker("a", env={"FENCED_RESULT_SERIALIZER": serializer}, extra_args=INCLUDE)
+    held = acquire("errors:busy", ttl=300, owner="holder", using=alias)
+    sent = {
+        kind: send(TASK, queue=start_worker.queue, kwargs={"kind": kind})
+        for kind in ("stale", "busy", "lost")
+    }
+    app = broker_app(os.environ["FENCED_REDIS_URL"])
+    app.conf.result_serializer = serializer  # the database backend decodes with its own
+    app.conf.result_accept_content = SERIALIZERS
+    try:
+        with pytest.raises(StaleToken) as stale:
+            app.AsyncResult(sent["stale"]).get(timeout=60, interval=0.1)
+        assert (stale.value.key, stale.value.token, stale.value.current) == ("errors:stale", 1, 2)
+
+        with pytest.raises(LeaseBusy) as busy:
+            app.AsyncResult(sent["busy"]).get(timeout=60, interval=0.1)
+        assert (busy.value.key, busy.value.holder, busy.value.token) == (
+            "errors:busy",
+            "holder",
+            held.token,
+        )
+        assert 0 < busy.value.remaining <= 300
+        assert busy.value.expires_at == held.expires_at
+
+        with pytest.raises(LeaseLost) as lost:
+            app.AsyncResult(sent["lost"]).get(timeout=60, interval=0.1)
+        assert lost.value.key == f"errors:inner:{sent['lost']}"
+        assert lost.value.token == 1
+        assert lost.value.reason
+    finally:
+        app.close()
+
+
+def test_exceptions__every_public_one_is_exported_from_the_package() -> None:
+    """The module says all are re-exported from ``celery_fenced``: each is, by name."""
+    import inspect
+
+    import celery_fenced
+    from celery_fenced import exceptions
+
+    public = {
+        name
+        for name, value in vars(exceptions).items()
+        if inspect.isclass(value)
+        and issubclass(value, BaseException)
+        and value.__module__ == exceptions.__name__
+        and not name.startswith("_")
+    }
+    assert public <= set(celery_fenced.__all__)
+    assert all(getattr(celery_fenced, name) is getattr(exceptions, name) for name in public)
+
+
+def test_invalid_lease_key__is_a_fenced_error_and_a_value_error() -> None:
+    from celery_fenced import InvalidLeaseKey, acquire
+    from celery_fenced.keys import check_key
+
+    with pytest.raises(InvalidLeaseKey, match="key must be a non-empty string") as raised:
+        check_key("")
+    assert isinstance(raised.value, (FencedError, ValueError))
+    with pytest.raises(ValueError, match="at most 255 characters"):
+        acquire("k" * 256, ttl=30)

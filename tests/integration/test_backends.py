@@ -1,0 +1,337 @@
+"""FencedDatabaseBackend: plain tasks exactly as DatabaseBackend; fenced writes by R1-R3."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from billiard.exceptions import WorkerLostError
+from celery import states
+from celery.app.task import Context
+from django.db import connections
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext
+from django_celery_results.backends.database import DatabaseBackend
+from django_celery_results.models import TaskResult
+
+from celery_fenced import acquire
+from celery_fenced.backends import FencedDatabaseBackend
+from celery_fenced.models import Lease, LeaseEvent
+from testproject.celery import app
+from tests import routers
+from tests.conftest import DATABASE_ALIASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+@pytest.fixture
+def routed(alias: str, settings: Any) -> Iterator[str]:
+    """Every model (results and leases) on ``alias``."""
+    routers.TARGET = alias
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    yield alias
+    routers.TARGET = "default"
+
+
+def request_for(task_id: str, lease: Any = None) -> Context:
+    request = Context(
+        id=task_id,
+        task="testproject.demo.tasks.probe",
+        args=[1],
+        kwargs={"a": 2},
+        hostname="w@h",
+        argsrepr="[1]",
+        kwargsrepr="{'a': 2}",
+    )
+    if lease is not None:
+        request._fenced_lease = lease
+    return request
+
+
+def row(alias: str, task_id: str) -> dict[str, Any]:
+    found = TaskResult.objects.using(alias).values().get(task_id=task_id)
+    return {
+        k: v
+        for k, v in found.items()
+        if k not in ("id", "task_id", "date_created", "date_done", "date_started")
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "value"),
+    [
+        (states.SUCCESS, {"answer": 42}),
+        (states.FAILURE, ValueError("boom")),
+        (states.STARTED, {"pid": 1}),
+        (states.RETRY, KeyError("again")),
+    ],
+)
+def test_plain_task__stored_exactly_as_database_backend(
+    routed: str, state: str, value: Any
+) -> None:
+    app.conf.result_extended = True
+    DatabaseBackend(app=app).store_result("plain", value, state, request=request_for("plain"))
+    FencedDatabaseBackend(app=app).store_result(
+        "fenced", value, state, request=request_for("fenced")
+    )
+    assert row(routed, "fenced") == row(routed, "plain")
+
+
+@pytest.mark.parametrize(
+    ("state", "value"),
+    [
+        (states.SUCCESS, {"answer": 42}),
+        (states.FAILURE, ValueError("boom")),
+        (states.RETRY, KeyError("again")),
+        ("PROGRESS", {"done": 3}),
+    ],
+)
+@pytest.mark.parametrize("existing", [False, True], ids=["new row", "over a row"])
+def test_fenced_result__row_as_database_backend_writes_it(
+    routed: str, state: str, value: Any, existing: bool
+) -> None:
+    """One upsert writes what DatabaseBackend's get_or_create (+ save) would, token aside."""
+    app.conf.result_extended = True
+    plain, fenced = DatabaseBackend(app=app), FencedDatabaseBackend(app=app)
+    lease = acquire("job", ttl=30, task_id="fenced", using=routed)
+    if existing:
+        plain.store_result("plain", {"pid": 1}, states.STARTED, request=request_for("plain"))
+        fenced.store_result("fenced", {"pid": 1}, states.STARTED, request=request_for("fenced"))
+    created = {
+        t: TaskResult.objects.using(routed).filter(task_id=t).values_list("date_created").first()
+        for t in ("plain", "fenced")
+    }
+    plain.store_result("plain", value, state, request=request_for("plain"))
+    fenced.store_result("fenced", value, state, request=request_for("fenced", lease))
+    written, expected = row(routed, "fenced"), row(routed, "plain")
+    meta = json.loads(written.pop("meta"))
+    assert (meta.pop("fencing_token"), meta.pop("lease_key")) == (lease.token, "job")
+    assert meta == json.loads(expected.pop("meta"))
+    assert written == expected
+    stored = TaskResult.objects.using(routed).get(task_id="fenced")
+    if existing:  # the first write's creation time and start time are kept
+        assert (stored.date_created,) == created["fenced"]
+        assert stored.date_started is not None
+    assert stored.date_done >= stored.date_created
+
+
+def test_fenced_result__written_with_token_and_released_in_one_transaction(routed: str) -> None:
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"ok": True}, states.SUCCESS, request=request_for("t1", lease))
+    stored = TaskResult.objects.using(routed).get(task_id="t1")
+    assert stored.status == states.SUCCESS
+    assert json.loads(stored.meta)["fencing_token"] == lease.token
+    assert Lease.objects.using(routed).get(key="job").released_at is not None
+    event = LeaseEvent.objects.using(routed).get(kind="released")
+    assert event.detail == {"state": "SUCCESS"}
+    assert lease.released
+
+
+def test_stale_result__redelivery_of_same_task_writes_nothing(routed: str) -> None:
+    stale = acquire("job", ttl=30, task_id="t1", using=routed)
+    Lease.objects.using(routed).filter(key="job").update(expires_at=F("acquired_at"))
+    fresh = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"by": "fresh"}, states.SUCCESS, request=request_for("t1", fresh))
+    backend.store_result("t1", {"by": "stale"}, states.SUCCESS, request=request_for("t1", stale))
+    stored = TaskResult.objects.using(routed).get(task_id="t1")
+    assert json.loads(stored.result) == {"by": "fresh"}
+    assert stale.lost
+    rejected = LeaseEvent.objects.using(routed).get(kind="stale_write_rejected")
+    assert (rejected.token, rejected.detail["current_token"]) == (stale.token, fresh.token)
+
+
+@pytest.mark.parametrize("state", [states.SUCCESS, states.STARTED, states.RETRY])
+def test_stale_result__other_task_ends_as_failure_with_stale_token(
+    routed: str, state: str
+) -> None:
+    stale = acquire("report:1", ttl=30, task_id="old", using=routed)
+    Lease.objects.using(routed).filter(key="report:1").update(expires_at=F("acquired_at"))
+    acquire("report:1", ttl=30, task_id="new", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("old", {"v": 1}, state, request=request_for("old", stale))
+    stored = TaskResult.objects.using(routed).filter(task_id="old").first()
+    if state in states.READY_STATES:
+        assert stored is not None
+        assert stored.status == states.FAILURE
+        assert json.loads(stored.result)["exc_type"] == "StaleToken"
+    else:
+        assert stored is None  # a stale STARTED/RETRY is simply not stored
+
+
+def test_untokened_write__never_overwrites_a_fenced_final_result(routed: str) -> None:
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"ok": 1}, states.SUCCESS, request=request_for("t1", lease))
+    # the worker's main process writes WorkerLostError with a request built from the
+    # message: no lease, and a forged token header is just an attribute
+    forged = request_for("t1")
+    forged.fencing_token = 10**6
+    backend.store_result("t1", WorkerLostError("lost"), states.FAILURE, request=forged)
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.SUCCESS
+
+
+def test_statements__fenced_result_write_against_plain(routed: str) -> None:
+    app.conf.result_extended = True
+    connection = connections[routed]
+    with CaptureQueriesContext(connection) as plain:
+        DatabaseBackend(app=app).store_result(
+            "p", {"v": 1}, states.SUCCESS, request=request_for("p")
+        )
+    lease = acquire("job", ttl=30, task_id="f", using=routed)
+    with CaptureQueriesContext(connection) as fenced:
+        FencedDatabaseBackend(app=app).store_result(
+            "f", {"v": 1}, states.SUCCESS, request=request_for("f", lease)
+        )
+    control = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK")
+
+    def data(q: CaptureQueriesContext) -> int:
+        return sum(not x["sql"].strip().upper().startswith(control) for x in q.captured_queries)
+
+    # the proof and the release are one conditional UPDATE (with its event on PostgreSQL;
+    # the event follows it on SQLite), and it comes first: the lease row is locked before
+    # the result row; the row itself is one upsert where the plain write sends a SELECT
+    # and an INSERT, and no savepoint is opened inside the fenced transaction
+    extra = data(fenced) - data(plain)
+    print(f"{routed}: plain {data(plain)} statements, fenced {data(fenced)}")
+    assert extra <= (0 if routed == "postgres" else 1)
+    assert not [x for x in fenced.captured_queries if "SAVEPOINT" in x["sql"].upper()]
+    first = next(
+        x["sql"]
+        for x in fenced.captured_queries
+        if not x["sql"].strip().upper().startswith(control)
+    )
+    assert "UPDATE celery_fenced_lease SET released_at" in first
+    assert Lease.objects.using(routed).get(key="job").released_at is not None
+
+
+def main_process_request(task_id: str, pid: int | None) -> Context:
+    """The context the worker's main process reports with (see celery_fenced.requests)."""
+    from celery_fenced.requests import EndedProcess
+
+    request = request_for(task_id)
+    request._fenced_process = EndedProcess(f"w@h:{pid}:" if pid else None)
+    return request
+
+
+def report(state: str, task_id: str, request: Context) -> None:
+    backend = FencedDatabaseBackend(app=app)
+    if state == states.REVOKED:
+        backend.mark_as_revoked(task_id, "terminated", request=request)
+    else:
+        backend.mark_as_failure(task_id, WorkerLostError("lost"), request=request)
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__ends_the_grant_of_the_process_that_ended_only(
+    routed: str, state: str
+) -> None:
+    mine = acquire("job:mine", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    other = acquire("job:other", ttl=30, task_id="t2", owner="w@h:100:2", using=routed)
+    report(state, "t1", main_process_request("t1", 100))
+    assert Lease.objects.using(routed).get(key="job:mine").released_at is not None
+    assert Lease.objects.using(routed).get(key="job:other").released_at is None
+    event = LeaseEvent.objects.using(routed).get(kind="force_released")
+    assert (event.token, event.task_id) == (mine.token, "t1")
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == state
+    other.renew()
+
+
+@pytest.mark.parametrize("pid", [200, None], ids=["stale-process", "never-started"])
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__changes_nothing_while_another_execution_holds_the_job(
+    routed: str, state: str, pid: int | None
+) -> None:
+    """A's time limit / lost child / a late copy's expiry, while B runs the job (issue
+    14, case 1): B's grant stands, nothing is stored, and B's SUCCESS is stored later."""
+    current = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    report(state, "t1", main_process_request("t1", pid))
+    assert Lease.objects.using(routed).get(key="job").released_at is None
+    assert not LeaseEvent.objects.using(routed).filter(kind="force_released").exists()
+    assert not TaskResult.objects.using(routed).filter(task_id="t1").exists()
+    current.renew()
+    backend = FencedDatabaseBackend(app=app)
+    backend.mark_as_done("t1", {"v": 1}, request=request_for("t1", current))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.SUCCESS
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__without_any_grant_is_stored_as_celery_would(
+    routed: str, state: str
+) -> None:
+    report(state, "t1", main_process_request("t1", None))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == state
+
+
+def test_untokened_write__check_and_write_are_one_step_against_a_fenced_write(
+    routed: str,
+) -> None:
+    """A duplicate delivery's STARTED write checks while a fenced SUCCESS commits (issue
+    14, case 10): it waits for the fenced transaction, then sees the final row and writes
+    nothing."""
+    import threading
+
+    from django.db import transaction
+
+    from tests.conftest import wait_until_blocked
+
+    backend = FencedDatabaseBackend(app=app)
+    backend.store_result("t1", {"pid": 1}, states.STARTED, request=request_for("t1"))
+    lease = acquire("job", ttl=30, task_id="t1", using=routed)
+
+    def started() -> None:
+        try:
+            backend.store_result("t1", {"pid": 2}, states.STARTED, request=request_for("t1"))
+        finally:
+            connections[routed].close()
+
+    with transaction.atomic(using=routed):
+        backend.mark_as_done("t1", {"v": 1}, request=request_for("t1", lease))
+        duplicate = threading.Thread(target=started)
+        duplicate.start()
+        wait_until_blocked(routed, duplicate)
+    duplicate.join(timeout=30)
+    row = TaskResult.objects.using(routed).get(task_id="t1")
+    assert (row.status, json.loads(row.result)) == (states.SUCCESS, {"v": 1})
+
+
+def test_main_process_report__never_started_copy_with_an_expired_grant_is_recorded(
+    routed: str,
+) -> None:
+    """A late copy expires (``expires``) while the job's only grant has run out (its holder
+    died): ``REVOKED`` is the job's outcome, not nothing (found by the chaos runner)."""
+    held = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    Lease.objects.using(routed).filter(key="job").update(expires_at=F("acquired_at"))
+    report(states.REVOKED, "t1", main_process_request("t1", None))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.REVOKED
+    assert Lease.objects.using(routed).get(key="job").released_at is None  # ends nothing
+    assert held.token == 1
+
+
+def test_stale_result__never_written_over_a_final_outcome(routed: str) -> None:
+    """A holder fenced out by a force release finds the job already REVOKED: its refused
+    SUCCESS leaves the REVOKED, rather than storing FAILURE(StaleToken) over it."""
+    from celery_fenced import force_release
+
+    held = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    force_release("job", by="admin", using=routed)
+    report(states.REVOKED, "t1", main_process_request("t1", None))
+    FencedDatabaseBackend(app=app).mark_as_done("t1", {"v": 1}, request=request_for("t1", held))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.REVOKED
+
+
+def test_main_process_report__recorded_through_a_dropped_connection(routed: str) -> None:
+    """The worker's main process keeps its connections for good: one cut by a database
+    restart is replaced, and the report recorded (found by the chaos runner)."""
+    if routed != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    from tests.conftest import terminate_connection
+
+    acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    terminate_connection(routed)
+    report(states.FAILURE, "t1", main_process_request("t1", 100))
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.FAILURE
+    assert Lease.objects.using(routed).get(key="job").released_at is not None

@@ -1,0 +1,505 @@
+"""The reclaimer on SQLite and PostgreSQL (and the portable fallback): claims, re-sends,
+attempts, abandonment; the recorded job; the settings."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import logging
+import pickle
+import uuid
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+from django.db import connections
+from django.db.models import F
+from django.test.utils import CaptureQueriesContext
+from kombu import Exchange, Queue
+
+from celery_fenced import acquire
+from celery_fenced import conf as fenced_conf
+from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.reclaim import Job, decode_job, encode_job, job_for, reclaim_expired
+from celery_fenced.store import dialects
+from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_store import data_statements
+
+# the claims run in the test's own connection: a rolled-back test transaction will do
+db = pytest.mark.django_db(databases=DATABASE_ALIASES)
+# a fenced task renews from its own thread, which must see the committed grant
+committed = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+TASK = "app.tasks.rebuild"
+
+
+def recording_app(fail: bool = False, **conf: Any) -> tuple[Celery, list[dict[str, Any]]]:
+    """A Celery app whose ``send_task`` records the messages instead of sending them."""
+    app = Celery("reclaim-unit", set_as_current=False)
+    app.conf.update(conf)
+    sent: list[dict[str, Any]] = []
+
+    def send_task(name: str, **options: Any) -> None:
+        if fail:
+            raise ConnectionError("broker down")
+        sent.append({"name": name, **options})
+
+    app.send_task = send_task  # type: ignore[method-assign]
+    return app, sent
+
+
+@pytest.fixture(params=["native", "portable"])
+def dialect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The SQL of each database, or the ORM fallback every other database gets."""
+    if request.param == "portable":
+        monkeypatch.setattr(dialects, "for_alias", lambda alias, **kw: dialects.ORMDialect(alias))
+    return str(request.param)
+
+
+def grant(
+    alias: str, key: str = "k", task_id: str = "t1", *, expired: bool = True, **job: Any
+) -> Any:
+    """Grant ``key`` to task ``task_id`` with a recorded job; expire it by default."""
+    recorded = Job(TASK, job.get("args", [7]), job.get("kwargs", {"x": 1}), job.get("options", {}))
+    lease = acquire(
+        key, ttl=30, task_id=task_id, task_name=TASK, job=encode_job(recorded), using=alias
+    )
+    if expired:
+        expire(alias, key)
+    return lease
+
+
+def expire(alias: str, key: str) -> None:
+    # seconds in the past: the fallback's clock on SQLite (CURRENT_TIMESTAMP) has 1s steps
+    Lease.objects.using(alias).filter(key=key).update(
+        acquired_at=F("acquired_at") - dt.timedelta(seconds=10),
+        expires_at=F("acquired_at") - dt.timedelta(seconds=5),
+    )
+
+
+def row(alias: str, key: str = "k") -> Lease:
+    return Lease.objects.using(alias).get(key=key)
+
+
+def kinds(alias: str, key: str = "k") -> list[tuple[str, int | None]]:
+    events = LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id")
+    return [(e.kind, e.token) for e in events]
+
+
+# -- claims ------------------------------------------------------------------------------
+@db
+def test_reclaim__resends_an_expired_unfinished_job_once_with_its_task_id(
+    alias: str, dialect: str
+) -> None:
+    grant(alias, options={"queue": "reports", "priority": 3})
+    app, sent = recording_app()
+    done = reclaim_expired(app, grace=0, using=alias)
+    assert [(d.key, d.task_id, d.token, d.attempt, d.action) for d in done] == [
+        ("k", "t1", 1, 1, "resent")
+    ]
+    assert sent == [
+        {
+            "name": TASK,
+            "args": [7],
+            "kwargs": {"x": 1},
+            "task_id": "t1",
+            "add_to_parent": False,
+            "queue": "reports",
+            "priority": 3,
+        }
+    ]
+    assert reclaim_expired(app, grace=0, using=alias) == []  # one message per expiry
+    assert len(sent) == 1
+    lease = row(alias)
+    assert (lease.reclaim_state, lease.reclaim_attempts) == ("resent", 1)
+    assert lease.reclaim_claimed_at is not None
+    assert kinds(alias) == [("acquired", 1), ("resent", 1)]
+    event = LeaseEvent.objects.using(alias).get(kind="resent")
+    assert event.task_id == "t1"
+    assert event.detail["attempt"] == 1
+    assert event.detail["queue"] == "reports"
+
+
+@db
+def test_reclaim__leaves_alone_what_is_not_expired_and_unfinished(
+    alias: str, dialect: str
+) -> None:
+    grant(alias, "held", expired=False)
+    assert grant(alias, "released", expired=False).release(state="FAILURE")
+    expire(alias, "released")
+    grant(alias, "no_job")
+    Lease.objects.using(alias).filter(key="no_job").update(job=None)
+    acquire("plain", ttl=30, using=alias)  # the store API used directly: no job
+    expire(alias, "plain")
+    grant(alias, "expired")  # 5 s ago
+    app, sent = recording_app()
+    assert reclaim_expired(app, grace=60, using=alias) == []  # within the grace period
+    assert sent == []
+    assert [d.key for d in reclaim_expired(app, grace=0, using=alias)] == ["expired"]
+    assert [m["task_id"] for m in sent] == ["t1"]
+
+
+@db
+def test_reclaim__a_completed_job_is_never_reclaimed(alias: str, dialect: str) -> None:
+    lease = grant(alias, expired=False)
+    assert lease.release(state="SUCCESS")
+    expire(alias, "k")  # even with its times in the past
+    assert row(alias).job is None  # the release dropped the job
+    app, sent = recording_app()
+    assert reclaim_expired(app, grace=0, using=alias) == []
+    assert sent == []
+
+
+@db
+def test_reclaim__reexecution_takes_next_token_and_max_attempts_abandon_once(
+    alias: str, dialect: str
+) -> None:
+    first = grant(alias)
+    app, sent = recording_app(fenced_reclaim_max=2)
+    previous = first.owner
+    for attempt in (1, 2):
+        assert [d.action for d in reclaim_expired(app, grace=0, using=alias)] == ["resent"]
+        # the re-sent message runs: same task id, next token; then it dies again
+        again = acquire("k", ttl=30, task_id="t1", task_name=TASK, job=row(alias).job, using=alias)
+        assert (again.token, again.reclaimed_from) == (first.token + attempt, previous)
+        previous = again.owner
+        assert (row(alias).reclaim_attempts, row(alias).reclaim_state) == (attempt, "")
+        expire(alias, "k")
+    done = reclaim_expired(app, grace=0, using=alias)
+    assert [(d.action, d.attempt, d.token) for d in done] == [("abandoned", 2, 3)]
+    assert len(sent) == 2
+    assert reclaim_expired(app, grace=0, using=alias) == []
+    assert row(alias).reclaim_state == "abandoned"
+    abandoned = LeaseEvent.objects.using(alias).get(kind="abandoned")
+    assert (abandoned.token, abandoned.task_id) == (3, "t1")
+    assert abandoned.detail["attempts"] == 2
+    assert abandoned.detail["max"] == 2
+    assert [k for k, _ in kinds(alias)] == [
+        "acquired",
+        "resent",
+        "reclaimed",
+        "resent",
+        "reclaimed",
+        "abandoned",
+    ]
+    # the same task id granted again (a late redelivery) keeps its count: one more
+    # expiry abandons it again; a release and another task id start afresh
+    assert acquire("k", ttl=30, task_id="t1", task_name=TASK, using=alias).release()
+    assert (row(alias).reclaim_state, row(alias).reclaim_attempts) == ("", 2)
+    grant(alias, task_id="t2", expired=False)
+    assert (row(alias).reclaim_state, row(alias).reclaim_attempts) == ("", 0)
+
+
+@db
+def test_reclaim__a_grant_for_another_task_id_resets_the_attempts(
+    alias: str, dialect: str
+) -> None:
+    grant(alias)
+    app, _ = recording_app()
+    reclaim_expired(app, grace=0, using=alias)
+    assert row(alias).reclaim_attempts == 1
+    grant(alias, task_id="t2")
+    lease = row(alias)
+    assert (lease.task_id, lease.reclaim_attempts, lease.reclaim_state) == ("t2", 0, "")
+    assert lease.reclaim_claimed_at is None
+
+
+@db
+def test_reclaim__a_resent_job_that_never_started_is_sent_again_after_resend_after(
+    alias: str, dialect: str
+) -> None:
+    grant(alias)
+    app, sent = recording_app(fenced_reclaim_resend_after=60)
+    reclaim_expired(app, grace=0, using=alias)
+    assert reclaim_expired(app, grace=0, using=alias) == []
+    Lease.objects.using(alias).filter(key="k").update(
+        reclaim_claimed_at=F("reclaim_claimed_at") - dt.timedelta(seconds=61)
+    )
+    done = reclaim_expired(app, grace=0, using=alias)
+    assert [(d.action, d.attempt) for d in done] == [("resent", 2)]
+    assert [m["task_id"] for m in sent] == ["t1", "t1"]
+
+
+@db
+def test_reclaim__a_failed_send_gives_the_claim_back(alias: str, dialect: str) -> None:
+    grant(alias)
+    broken, _ = recording_app(fail=True)
+    done = reclaim_expired(broken, grace=0, using=alias)
+    assert [(d.action, d.attempt) for d in done] == [("failed", 1)]
+    assert "broker down" in done[0].reason
+    assert (row(alias).reclaim_state, row(alias).reclaim_attempts) == ("", 0)
+    app, sent = recording_app()
+    assert [d.action for d in reclaim_expired(app, grace=0, using=alias)] == ["resent"]
+    assert len(sent) == 1
+
+
+PICKLE = "cos\nsystem\n(S'touch /tmp/pwned'\ntR."
+
+
+@db
+def test_reclaim__an_unreadable_job_is_abandoned_not_sent(alias: str, dialect: str) -> None:
+    grant(alias)
+    Lease.objects.using(alias).filter(key="k").update(job=PICKLE)
+    app, sent = recording_app()
+    done = reclaim_expired(app, grace=0, using=alias)
+    assert [d.action for d in done] == ["abandoned"]
+    assert done[0].reason.startswith("unreadable job")
+    assert sent == []
+    assert row(alias).reclaim_state == "abandoned"
+    assert (
+        LeaseEvent.objects.using(alias)
+        .get(kind="abandoned")
+        .detail["reason"]
+        .startswith("unreadable job")
+    )
+
+
+@db
+def test_reclaim__dry_run_claims_and_sends_nothing(alias: str, dialect: str) -> None:
+    grant(alias)
+    app, sent = recording_app()
+    preview = reclaim_expired(app, grace=0, using=alias, dry_run=True)
+    assert [(d.key, d.action, d.attempt, d.dry_run) for d in preview] == [("k", "resent", 1, True)]
+    assert sent == []
+    assert row(alias).reclaim_state == ""
+    assert [d.action for d in reclaim_expired(app, grace=0, using=alias)] == ["resent"]
+
+
+@db
+def test_reclaim__batches_until_every_expired_job_is_claimed(alias: str, dialect: str) -> None:
+    for n in range(5):
+        grant(alias, key=f"k{n}", task_id=f"t{n}")
+    app, sent = recording_app()
+    done = reclaim_expired(app, grace=0, using=alias, limit=2)
+    assert sorted(d.task_id for d in done) == [f"t{n}" for n in range(5)]
+    assert sorted(m["task_id"] for m in sent) == [f"t{n}" for n in range(5)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"grace": -1}, "grace must be a number of seconds"), ({"limit": 0}, "limit must be")],
+)
+def test_reclaim__bad_arguments_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    app, _ = recording_app()
+    with pytest.raises((ValueError, FencedConfigurationError), match=message):
+        reclaim_expired(app, using="default", **kwargs)
+
+
+@db
+def test_claim__is_one_statement_on_postgresql_and_acquire_stays_one() -> None:
+    alias = "postgres"
+    job = encode_job(Job(TASK, [1], {}, {}))
+    with CaptureQueriesContext(connections[alias]) as queries:
+        acquire("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
+    assert len(data_statements(queries)) == 1
+    expire(alias, "k")
+    with CaptureQueriesContext(connections[alias]) as queries:
+        claims = dialects.for_alias(alias).claim_expired(
+            grace=0, resend_after=300, max_attempts=3, limit=10
+        )
+    assert [(c.key, c.state, c.attempts) for c in claims] == [("k", "resent", 1)]
+    statements = data_statements(queries)
+    assert len(statements) == 1
+    assert f"UPDATE {Lease._meta.db_table} SET" in statements[0]
+
+
+@db
+def test_claim__abandoning_writes_its_event_in_the_same_statement_on_postgresql() -> None:
+    alias = "postgres"
+    grant(alias)
+    Lease.objects.using(alias).filter(key="k").update(reclaim_attempts=3)
+    with CaptureQueriesContext(connections[alias]) as queries:
+        claims = dialects.for_alias(alias).claim_expired(
+            grace=0, resend_after=300, max_attempts=3, limit=10
+        )
+    assert [c.state for c in claims] == ["abandoned"]
+    assert len(data_statements(queries)) == 1
+    assert LeaseEvent.objects.using(alias).filter(kind="abandoned").count() == 1
+
+
+# -- the recorded job --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (PICKLE, "not a JSON job"),  # never unpickled
+        (pickle.dumps({"v": 1}, protocol=0).decode("latin-1"), "not a JSON job"),
+        ('{"v": 1, "task": "x", "args": [], "kwargs": {}, "options": {"eta": 1}}', "'eta'"),
+        ('{"v": 1, "task": "", "args": [], "kwargs": {}, "options": {}}', "task name"),
+        ('{"v": 1, "task": "x", "args": {}, "kwargs": {}, "options": {}}', "args must be"),
+        ('{"v": 2, "task": "x", "args": [], "kwargs": {}, "options": {}}', "unknown format"),
+        ("[1, 2]", "unknown format"),
+    ],
+)
+def test_job__decode_refuses_what_is_not_a_json_job(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_job(text)
+
+
+def test_job__round_trips_through_kombu_json() -> None:
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    ident = uuid.uuid4()
+    job = Job(TASK, [1, "a", when], {"id": ident, "amount": decimal.Decimal("1.50")}, {})
+    text = encode_job(job)
+    assert isinstance(text, str)
+    back = decode_job(text)
+    assert back.args[2] == when
+    assert back.kwargs["id"] == ident
+    assert str(back.kwargs["amount"]) == "1.50"
+
+
+def fake_task(app: Any, **request: Any) -> Any:
+    defaults: dict[str, Any] = {
+        "id": "tid",
+        "is_eager": False,
+        "delivery_info": {"exchange": "reports", "routing_key": "reports", "priority": 5},
+        "timelimit": (60, 50),
+    }
+    return SimpleNamespace(app=app, name=TASK, request=SimpleNamespace(**{**defaults, **request}))
+
+
+def test_job_for__records_routing_and_workflow_of_the_request() -> None:
+    app = Celery("jobs", set_as_current=False)
+    app.conf.task_queues = [Queue("reports", Exchange("reports"), routing_key="reports")]
+    link = {"task": "app.tasks.next", "args": [], "kwargs": {}, "options": {}}
+    task = fake_task(
+        app, callbacks=[link], chain=[link], root_id="root", parent_id="parent", retries=2
+    )
+    job = decode_job(job_for(task, (1,), {"b": 2}) or "")
+    assert (job.task, job.args, job.kwargs) == (TASK, [1], {"b": 2})
+    assert job.options == {
+        "queue": "reports",
+        "priority": 5,
+        "link": [link],
+        "chain": [link],
+        "root_id": "root",
+        "parent_id": "parent",
+        "retries": 2,
+        "time_limit": 60,
+        "soft_time_limit": 50,
+    }
+
+
+def test_job_for__unknown_exchange_keeps_exchange_and_routing_key() -> None:
+    app = Celery("jobs", set_as_current=False)
+    info = {"exchange": "topics", "routing_key": "a.b", "priority": None}
+    job = decode_job(job_for(fake_task(app, delivery_info=info, timelimit=None), (), {}) or "")
+    assert job.options == {"exchange": "topics", "routing_key": "a.b"}
+
+
+@pytest.mark.parametrize("request_", [{"is_eager": True}, {"id": None}])
+def test_job_for__eager_and_direct_calls_record_nothing(request_: dict[str, Any]) -> None:
+    assert job_for(fake_task(Celery("jobs", set_as_current=False), **request_), (), {}) is None
+
+
+def test_job_for__arguments_json_cannot_carry_are_not_recorded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    task = fake_task(Celery("jobs", set_as_current=False))
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.reclaim"):
+        assert job_for(task, (object(),), {}) is None
+    assert "will not be reclaimed" in caplog.text
+
+
+@pytest.fixture
+def fenced_database(settings: Any, alias: str) -> str:
+    settings.CELERY_FENCED_DATABASE = alias
+    return alias
+
+
+@committed
+def test_fenced_task__its_grant_records_the_job_and_the_release_drops_it(
+    fenced_database: str,
+) -> None:
+    from testproject.demo.tasks import probe
+
+    alias = fenced_database
+    info = {"exchange": "", "routing_key": "q-probe", "priority": 0}
+    request = {"delivery_info": info, "hostname": "w1", "is_eager": False}
+    probe.push_request(id="task-1", called_directly=False, **request)  # as the tracer does
+    try:
+        value = probe(marker="m")
+        held = Lease.objects.using(alias).get(key=value["key"])
+        probe._fenced_release("SUCCESS")
+    finally:
+        probe.pop_request()
+    assert (held.task_id, held.token, held.released_at) == ("task-1", 1, None)
+    assert row(alias, value["key"]).job is None  # completed: never reclaimed
+    assert decode_job(held.job or "") == Job(
+        "testproject.demo.tasks.probe",
+        [],
+        {"marker": "m"},
+        {"queue": "q-probe", "priority": 0},
+    )
+
+
+@committed
+def test_periodic_task__is_registered_and_sweeps() -> None:
+    from testproject.celery import app
+
+    app.loader.import_default_modules()
+    task = app.tasks["celery_fenced.reclaim"]
+    assert task.apply().get() == 0
+
+
+# -- settings ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "value", "fragments"),
+    [
+        ("fenced_reclaim", "yes", ["fenced_reclaim", "True, False or None", "'yes'"]),
+        ("fenced_reclaim", 1, ["fenced_reclaim", "got 1"]),
+        ("fenced_reclaim_max", 0, ["fenced_reclaim_max", "integer of 1 or more", "got 0"]),
+        ("fenced_reclaim_max", 2.5, ["fenced_reclaim_max", "got 2.5"]),
+        ("fenced_reclaim_max", True, ["fenced_reclaim_max", "got True"]),
+        ("fenced_reclaim_grace", -1, ["fenced_reclaim_grace", "0 or more", "got -1"]),
+        ("fenced_reclaim_grace", "1", ["fenced_reclaim_grace", "got '1'"]),
+        ("fenced_reclaim_resend_after", 0, ["fenced_reclaim_resend_after", "greater than 0"]),
+        ("fenced_tasks", {"m.*": {"reclaim": "on"}}, ["fenced_tasks['m.*'] reclaim", "'on'"]),
+    ],
+)
+def test_settings__invalid_reclaim_settings_name_the_setting(
+    setting: str, value: Any, fragments: list[str]
+) -> None:
+    app = Celery("settings", set_as_current=False)
+    app.conf.update({setting: value})
+    with pytest.raises(FencedConfigurationError) as error:
+        fenced_conf.load(app)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("globally", "per_task", "key", "expected"),
+    [
+        (None, None, None, True),  # the default key: on
+        (None, None, "report:{id}", False),  # an explicit key: its next acquirer reclaims
+        (None, True, "report:{id}", True),  # opt in per task
+        (None, False, None, False),  # opt out per task
+        (True, None, "report:{id}", True),  # on for all
+        (False, None, None, False),  # off for all
+        (False, True, None, True),  # the task's own choice wins
+    ],
+)
+def test_settings__reclaim_rule(
+    globally: bool | None, per_task: bool | None, key: str | None, expected: bool
+) -> None:
+    settings = fenced_conf.FencedSettings(reclaim=globally)
+    options = settings.task_options("task 't'", key=key, reclaim=per_task)
+    assert options.reclaim is expected
+
+
+def test_settings__defaults() -> None:
+    settings = fenced_conf.load(Celery("defaults", set_as_current=False))
+    assert (settings.reclaim, settings.reclaim_max) == (None, 3)
+    assert (settings.reclaim_grace, settings.reclaim_resend_after) == (1.0, 300.0)
+
+
+def test_fenced_task__lease_reclaim_option_is_validated_at_definition() -> None:
+    from celery_fenced import FencedTask
+
+    with pytest.raises(FencedConfigurationError, match="option lease_reclaim must be True"):
+
+        class Bad(FencedTask):
+            name = "bad"
+            lease_reclaim = "always"

@@ -1,0 +1,103 @@
+"""The package's signals: a receiver that raises is logged and breaks nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import states
+from django.dispatch import Signal
+from django_celery_results.models import TaskResult
+
+from celery_fenced import FencedTask, acquire, force_release, signals
+from celery_fenced.models import Lease
+from celery_fenced.renewal import Renewer
+from tests.conftest import DATABASE_ALIASES
+from tests.tracing import fenced_app, trace
+
+db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def broken_receiver(**kwargs: Any) -> None:
+    raise RuntimeError("a receiver's bug")
+
+
+@pytest.fixture
+def raising() -> Iterator[Callable[[Signal], None]]:
+    """Connect ``broken_receiver`` to a signal; disconnected afterwards."""
+    connected: list[Signal] = []
+
+    def connect(signal: Signal) -> None:
+        signal.connect(broken_receiver)
+        connected.append(signal)
+
+    yield connect
+    for signal in connected:
+        signal.disconnect(broken_receiver)
+
+
+@db
+def test_lease_lost__raising_receiver_does_not_stop_the_renewer(
+    alias: str, raising: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raising(signals.lease_lost)
+    renewer = Renewer()
+    lost = acquire("signals:lost", ttl=30, using=alias, renew_interval=0.1)
+    other = acquire("signals:other", ttl=30, using=alias, renew_interval=0.1)
+    renewer.register(lost)
+    renewer.register(other)
+    try:
+        force_release(lost.key, using=alias)  # its next renewal is refused: lease_lost
+        wait_for(lambda: lost.lost)
+        after = time.monotonic()
+        wait_for(lambda: other.confirmed_at > after)  # the other lease is still renewed
+        assert renewer._thread is not None
+        assert renewer._thread.is_alive()
+        assert not other.lost
+    finally:
+        renewer.unregister(lost)
+        renewer.unregister(other)
+        other.release()
+    assert "tests.integration.test_signals.broken_receiver" in caplog.text
+    assert "lease_lost" in caplog.text
+
+
+@db
+def test_lease_released__raising_receiver_leaves_the_stored_success(
+    lease_db: str, raising: Any
+) -> None:
+    raising(signals.lease_released)
+    app = fenced_app("signals")
+
+    @app.task(name="signals.build", base=FencedTask, shared=False, lease_key="build:{n}")
+    def build(n: int) -> int:
+        return n * 2
+
+    retval, info, *_ = trace(build, "task-1", 21)
+    assert (retval, info) == (42, None)
+    stored = TaskResult.objects.using(lease_db).get(task_id="task-1")
+    assert stored.status == states.SUCCESS
+    assert Lease.objects.using(lease_db).get(key="build:21").released_at is not None
+
+
+def test_send__logs_the_receiver_and_returns(
+    raising: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raising(signals.stale_write_rejected)
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.signals"):
+        signals.send(signals.stale_write_rejected, Lease, key="k", token=3, owner="o", current=4)
+    assert (
+        "receiver tests.integration.test_signals.broken_receiver of celery_fenced signal"
+        in caplog.text
+    )
+    assert "stale_write_rejected" in caplog.text

@@ -1,0 +1,122 @@
+"""How a fenced task behaves when called in the ways Celery allows besides a worker."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Retry
+from django.db import connections
+
+from celery_fenced import FencedTask, LeaseBusy, acquire
+from celery_fenced.models import Lease
+from celery_fenced.renewal import renewer
+from tests.conftest import DATABASE_ALIASES
+
+db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+def define(**options: Any) -> Any:
+    app = Celery("task-calls", set_as_current=False, broker="memory://")
+    app.conf.task_default_queue = "task-calls"
+
+    def build(report_id: int) -> int:
+        from celery_fenced import current_lease
+
+        lease = current_lease()
+        assert lease is not None
+        return lease.token
+
+    app.task(name="calls.build", base=FencedTask, shared=False, **options)(build)
+    return app.tasks["calls.build"]
+
+
+@db
+def test_direct_call__takes_and_releases_the_lease(lease_db: str) -> None:
+    task = define(lease_key="report:{report_id}", lease_ttl=30)
+    assert task(7) == 1
+    lease = Lease.objects.using(lease_db).get(key="report:7")
+    assert lease.released_at is not None
+    assert not [held for held in renewer().held() if held.key == "report:7"]
+    assert task(7) == 2  # not busy: the first call let go
+
+
+@db
+def test_direct_call__releases_when_the_body_raises(lease_db: str) -> None:
+    task = define(lease_key=lambda args, kwargs: "report:any", lease_ttl=30)
+    with pytest.raises(TypeError):
+        task(7, "extra argument")  # granted, then the body cannot take these arguments
+    assert Lease.objects.using(lease_db).get(key="report:any").token == 1
+    assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
+
+
+@db
+def test_busy_retry__not_limited_by_the_task_max_retries(lease_db: str) -> None:
+    """Waiting for the key is not failing: retry 10 of a task allowed 3 is still sent."""
+    task = define(lease_key="report:{report_id}", lease_ttl=30, max_retries=3)
+    holder = acquire("report:7", ttl=30, using=lease_db)
+    task.push_request(id="busy-task", args=(7,), kwargs={}, retries=10, called_directly=False)
+    try:
+        with pytest.raises(Retry) as retried:
+            task(7)
+    finally:
+        task.pop_request()
+        holder.release()
+    assert isinstance(retried.value.exc, LeaseBusy)
+    assert 0 < float(retried.value.when) <= 30  # after the holder's remaining time
+    assert "override_max_retries" not in task.__dict__  # the task's own limit is untouched
+    assert task.max_retries == 3
+
+
+@db
+def test_busy_retry__eager_keeps_the_task_limit(lease_db: str) -> None:
+    """An eager retry runs at once, recursively: it must end (with LeaseBusy)."""
+    task = define(lease_key="report:{report_id}", lease_ttl=30, max_retries=2)
+    holder = acquire("report:7", ttl=30, using=lease_db)
+    try:
+        outcome = task.apply(args=(7,))
+    finally:
+        holder.release()
+    assert outcome.failed()
+    assert isinstance(outcome.result, LeaseBusy)
+
+
+@db
+def test_direct_call__threads_each_hold_and_release_their_own_lease(lease_db: str) -> None:
+    """Celery's default request is one per task object: each direct call needs its own."""
+    app = Celery("task-calls-threads", set_as_current=False, broker="memory://")
+    both_inside = threading.Barrier(2, timeout=30)
+    seen: dict[int, tuple[Any, ...]] = {}
+
+    @app.task(
+        bind=True,
+        name="calls.bound",
+        base=FencedTask,
+        shared=False,
+        lease_key="report:{report_id}",
+    )
+    def bound(self: Any, report_id: int) -> None:
+        both_inside.wait()  # both calls have taken their lease before either ends
+        seen[report_id] = (self.request.lease_key, self.request.fencing_token, self.lease.key)
+        both_inside.wait()
+
+    def call(report_id: int) -> None:
+        try:
+            bound(report_id)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert seen == {1: ("report:1", 1, "report:1"), 2: ("report:2", 1, "report:2")}
+    assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
+    assert not [held for held in renewer().held() if held.key.startswith("report:")]
+    assert bound._default_request is None or not getattr(
+        bound._default_request, "_fenced_lease", None
+    )
