@@ -35,6 +35,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.db import connections
+
+from celery_fenced.outages import attempt_through
+
 TASKS = ("chaos.guarded", "chaos.configured")
 GRANTS = ("acquired", "reclaimed")
 FINAL = ("SUCCESS", "FAILURE", "REVOKED")
@@ -127,7 +131,11 @@ class Sender:
             for n in range(3)
         ]
         body = self.sig(self.rng.choice(["chaos.body", "chaos.fenced_body"]), (name,))
-        result = chord(header, body).apply_async()
+        # the result backend stores the chord's counter before any header is sent: while
+        # the runner restarts PostgreSQL, a producer tries again, as an application would
+        result = attempt_through(
+            chord(header, body).apply_async, list(connections), "sending a chord"
+        )
         ids = {f"h{n}": r.id for n, r in enumerate(result.parent.results)}
         return self._job(name, "chord", {**ids, "body": result.id})
 

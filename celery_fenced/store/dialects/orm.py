@@ -328,17 +328,7 @@ class ORMDialect(PortableOperations):
                     reclaim_attempts=attempts, reclaim_state=state, reclaim_claimed_at=now
                 ):
                     continue
-                claim = Claim(
-                    row.pk,
-                    row.key,
-                    row.token,
-                    row.owner,
-                    row.task_id,
-                    row.task_name,
-                    row.job or "",
-                    attempts,
-                    state,
-                )
+                claim = Claim.of_lease(row, attempts, state)
                 if not resend:
                     detail = abandoned_detail(claim, max_attempts)
                     self._event(

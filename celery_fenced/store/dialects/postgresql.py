@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from celery_fenced.store.dialects.records import (
     EVENT,
@@ -135,32 +136,7 @@ class PostgreSQL(SQLDialect):
         return holder_of(rows)
 
     def release(self, ending: Ending) -> bool:
-        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
-        state, delivery = ending.state, ending.delivery
-        marker = self._completion_params(state, delivery)
-        completion = self._completion_sql() if marker else ""
-        rows = self._fetch(
-            f"""WITH r AS (
-                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
-                        {completion}
-                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
-                    RETURNING id, token),
-                ev AS (
-                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r)
-                SELECT token FROM r""",
-            [
-                *marker,
-                key,
-                token,
-                owner,
-                task_id,
-                owner,
-                json.dumps(released_detail(state, delivery)),
-            ],
-        )
-        return bool(rows)
+        return bool(self._release(ending, holder_only=True, lock_result=False))
 
     def force_release(
         self, key: str, by: str, task_id: str | None = None, token: int | None = None
@@ -212,32 +188,46 @@ class PostgreSQL(SQLDialect):
         so until the result commits. The same statement takes ``task_id``'s result lock
         (see :meth:`lock_for_result`).
         """
-        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        if self._release(ending, holder_only=False, lock_result=True):
+            return True, ending.token
+        return False, self._current_token(ending.key)
+
+    def _release(
+        self, ending: Ending, *, holder_only: bool, lock_result: bool
+    ) -> list[tuple[Any, ...]]:
+        """The releasing ``UPDATE`` with its event (and the result lock): the rows released.
+
+        ``holder_only`` also requires the owner to match; ``lock_result`` takes
+        ``ending.task_id``'s result lock in the same statement (:meth:`lock_for_result`).
+        """
         state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
         completion = self._completion_sql() if marker else ""
-        rows = self._fetch(
+        by_owner = "AND owner = %s" if holder_only else ""
+        lock = (
+            ", lk AS (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)) FROM r)"
+            if lock_result
+            else ""
+        )
+        return self._fetch(
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
                         {completion}
-                    WHERE key = %s AND token = %s AND released_at IS NULL
+                    WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
                     RETURNING id, token),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r),
-                lk AS (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)) FROM r)
-                SELECT r.token FROM r, lk""",
+                    FROM r){lock}
+                SELECT r.token FROM r{", lk" if lock_result else ""}""",
             [
                 *marker,
-                key,
-                token,
-                task_id,
-                owner,
+                ending.key,
+                ending.token,
+                *([ending.owner] if holder_only else []),
+                ending.task_id,
+                ending.owner,
                 json.dumps(released_detail(state, delivery)),
-                result_lock(task_id),
+                *([result_lock(ending.task_id)] if lock_result else []),
             ],
         )
-        if rows:
-            return True, token
-        return False, self._current_token(key)

@@ -124,6 +124,21 @@ class Claim:
     attempts: int
     state: str  # "resent": send the job again; "abandoned": too many attempts
 
+    @classmethod
+    def of_lease(cls, row: Any, attempts: int, state: str) -> Claim:
+        """The claim of a ``Lease`` row (as the ORM reads it)."""
+        return cls(
+            row.pk,
+            row.key,
+            row.token,
+            row.owner,
+            row.task_id,
+            row.task_name,
+            row.job or "",
+            attempts,
+            state,
+        )
+
 
 @dataclass(frozen=True)
 class Renewal:

@@ -68,14 +68,8 @@ class PortableOperations(Dialect):
             .order_by("expires_at")[:limit]
         )
         return [
-            Claim(
-                row.pk,
-                row.key,
-                row.token,
-                row.owner,
-                row.task_id,
-                row.task_name,
-                row.job or "",
+            Claim.of_lease(
+                row,
                 min(row.reclaim_attempts + 1, max_attempts),
                 ReclaimState.RESENT
                 if row.reclaim_attempts < max_attempts
