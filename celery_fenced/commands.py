@@ -121,6 +121,7 @@ def show(io: IO, options: dict[str, Any]) -> None:
             f"{record['expires_at']} ({operations.describe_expiry(record['expires_in'])})",
         ),
         ("released at", record["released_at"] or "-"),
+        ("release state", record["release_state"] or "-"),
         ("reclaimed from", record["reclaimed_from"] or "-"),
     ]
     for name, value in fields:
@@ -236,6 +237,7 @@ def _record(lease: Any) -> dict[str, Any]:
         "renewed_at": _iso(lease.renewed_at),
         "expires_at": _iso(lease.expires_at),
         "released_at": _iso(lease.released_at),
+        "release_state": lease.release_state,
         "reclaimed_from": lease.reclaimed_from,
         "expires_in": operations.expires_in(lease),
     }

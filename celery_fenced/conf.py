@@ -19,6 +19,8 @@ from django.core.signals import setting_changed
 from celery_fenced.exceptions import FencedConfigurationError
 
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
+#: what the audit trail records: the anomalies only, or every grant and release too
+EVENTS_CHOICES = ("anomalies", "all")
 TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim")
 #: task name prefixes a glob pattern never selects (an exact name still does)
 NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
@@ -76,6 +78,14 @@ def validate_on_busy(value: object, name: str) -> str:
     return str(value)
 
 
+def validate_events(value: object, name: str) -> str:
+    if value not in EVENTS_CHOICES:
+        raise FencedConfigurationError(
+            f"{name} must be one of {', '.join(map(repr, EVENTS_CHOICES))}, got {value!r}"
+        )
+    return str(value)
+
+
 def validate_renew_interval(value: object, ttl: float, name: str) -> float:
     interval = validate_ttl(value, name)
     if interval >= ttl:
@@ -115,6 +125,14 @@ class FencedSettings:
     reclaim_resend_after: float = 300.0
     #: seconds a completed task id counts as a duplicate of itself
     duplicate_window: float = 86400.0
+    #: "anomalies": only what an operator must see (takeovers, losses, refusals, ...);
+    #: "all": an event for every grant and release too
+    events: str = "anomalies"
+
+    @property
+    def routine_events(self) -> bool:
+        """Whether every grant and release is recorded as an event (``"all"``)."""
+        return self.events == "all"
 
     def options_for(self, task_name: str) -> dict[str, Any] | None:
         """The ``fenced_tasks`` options that select ``task_name``, or None.
@@ -317,6 +335,7 @@ def _load(app: Any) -> FencedSettings:
             raw["fenced_reclaim_resend_after"], "fenced_reclaim_resend_after"
         ),
         duplicate_window=validate_ttl(raw["fenced_duplicate_window"], "fenced_duplicate_window"),
+        events=validate_events(raw["fenced_events"], "fenced_events"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

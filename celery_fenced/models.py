@@ -78,6 +78,13 @@ class Lease(models.Model):
     completed_at = models.DateTimeField(
         null=True, blank=True, help_text="When that job completed (the database's clock)."
     )
+    release_state = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        help_text="How the last grant was released: the task's state (SUCCESS, FAILURE, "
+        "RETRY, REPLACED, ...); blank while held, or for a release without a state.",
+    )
 
     class Meta:
         verbose_name = "lease"
@@ -101,6 +108,29 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} (token {self.token})"
+
+
+class Completion(models.Model):
+    """A completed job's marker, moved off its lease row when another job completed there.
+
+    The lease row keeps the last completed job of its key; the one before it comes here,
+    so that its redelivery is still recognised within ``fenced_duplicate_window`` (pruned
+    after that). A key used by one job only never writes a row here.
+    """
+
+    digest = models.CharField(max_length=32, help_text="Digest of the task id and message.")
+    retries = models.IntegerField(help_text="The retry count of the completed delivery.")
+    completed_at = models.DateTimeField(help_text="When it completed (the database's clock).")
+
+    class Meta:
+        verbose_name = "completed job"
+        indexes = [
+            models.Index(fields=["digest"], name="celery_fenced_completion_dig"),
+            models.Index(fields=["completed_at"], name="celery_fenced_completion_at"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.digest} (retries {self.retries})"
 
 
 class LeaseEvent(models.Model):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from django.db.models import Case, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 
-from celery_fenced import store
+from celery_fenced import conf, store
 from celery_fenced.models import Lease, LeaseEvent
 
 HELD = "held"
@@ -159,10 +159,10 @@ def prune_events(
     clock. Lease rows are never deleted: a key keeps its token, and its next grant still
     gets a higher one. ``progress(deleted, total)`` is called after every batch.
 
-    The completed-duplicate check of fenced tasks reads the ``released`` events, so it
-    reaches back only as far as events are kept: a message redelivered after its task's
-    events were pruned runs again. Keep events longer than any message can come back
-    (visibility timeout, reclaimer re-sends, retry countdowns).
+    The completed-duplicate check of fenced tasks does not read events (it reads the
+    lease rows' completion markers, kept for ``fenced_duplicate_window``): pruning
+    events never lets a redelivered job run again. The moved markers of jobs completed
+    before that window are deleted too (:func:`prune_completions`).
     """
     if not older_than_days > 0:
         raise ValueError(f"older_than_days must be greater than 0, got {older_than_days!r}")
@@ -170,7 +170,20 @@ def prune_events(
         raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
     alias = database_alias(using)
     cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
-    return store.delete_events_before(alias, cutoff, batch_size=batch_size, progress=progress)
+    deleted = store.delete_events_before(alias, cutoff, batch_size=batch_size, progress=progress)
+    prune_completions(using=alias)
+    return deleted
+
+
+def prune_completions(*, using: str | None = None) -> int:
+    """Delete the completion markers older than ``fenced_duplicate_window``; how many.
+
+    They are written only when a second job completes under a key, and cannot match a
+    delivery once the window has passed.
+    """
+    alias = database_alias(using)
+    window = dt.timedelta(seconds=conf.load().duplicate_window)
+    return store.delete_completions_before(alias, database_now(alias) - window)
 
 
 def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:

@@ -14,6 +14,8 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from django.utils.dateparse import parse_datetime
+
 from celery_fenced.models import Lease, LeaseEvent
 
 MAX_EVENTS = 2000  # the newest events of the key that the picture looks at
@@ -132,7 +134,12 @@ def grants_and_marks(
             continue
         kind = event.kind
         if kind in (LeaseEvent.Kind.ACQUIRED, LeaseEvent.Kind.RECLAIMED):
-            if previous is not None and previous.end is None:
+            if kind == LeaseEvent.Kind.RECLAIMED and token - 1 not in grants:
+                # no event of the grant taken over (fenced_events="anomalies", or pruned):
+                # the takeover's event tells whose it was and when it began
+                previous = _taken_over(event, token)
+                grants[previous.token] = previous
+            if previous is not None and previous.end is None and previous.token == token - 1:
                 previous.end, previous.end_kind = event.at, "taken_over"
             grant = GrantSpan(token, event.owner, event.task_id, event.at)
             if kind == LeaseEvent.Kind.RECLAIMED:
@@ -142,6 +149,11 @@ def grants_and_marks(
                 marks.append(Mark(token, event.at, kind, text))
             grants[token] = previous = grant
         elif kind in (LeaseEvent.Kind.RELEASED, LeaseEvent.Kind.FORCE_RELEASED):
+            if kind == LeaseEvent.Kind.FORCE_RELEASED and token not in grants:
+                # a grant with no event of its start (fenced_events="anomalies", pruned)
+                grants[token] = GrantSpan(
+                    token, event.owner, event.task_id, _started(event, "acquired_at")
+                )
             grant_or_none = grants.get(token)
             if grant_or_none is not None and grant_or_none.end is None:
                 grant_or_none.end, grant_or_none.end_kind = event.at, str(kind)
@@ -167,10 +179,29 @@ def grants_and_marks(
             current.end, current.end_kind = now, "held"
         else:
             current.end, current.end_kind = lease.expires_at, "expired"
-    for grant in grants.values():
-        if grant.end is None:  # its end event was pruned
-            grant.end, grant.end_kind = grant.start, "released"
-    return sorted(grants.values(), key=lambda g: g.token), marks
+    # a grant with no event of its end (fenced_events="anomalies", or pruned) was released
+    # by its holder before the next grant began: it is drawn up to there
+    ordered = sorted(grants.values(), key=lambda g: g.token)
+    for grant, following in zip(ordered, [*ordered[1:], None], strict=True):
+        if grant.end is None:
+            upto = following.start if following is not None else grant.start
+            grant.end, grant.end_kind = max(upto, grant.start), "released"
+    return ordered, marks
+
+
+def _taken_over(reclaimed: LeaseEvent, token: int) -> GrantSpan:
+    """The grant a ``reclaimed`` event (of ``token``) took over, from the event's detail."""
+    owner = str((reclaimed.detail or {}).get("previous_owner", ""))
+    return GrantSpan(token - 1, owner, "", _started(reclaimed, "previous_acquired_at"))
+
+
+def _started(event: LeaseEvent, name: str) -> dt.datetime:
+    """The start of a grant that ``event`` names in its detail (at the latest, the event)."""
+    text = (event.detail or {}).get(name)
+    start = parse_datetime(text) if isinstance(text, str) else None
+    if start is not None and start.tzinfo is None:  # SQLite's text: UTC, as Django writes
+        start = start.replace(tzinfo=dt.timezone.utc)
+    return min(start or event.at, event.at)
 
 
 def picture(lease: Lease, events_newest_first: Sequence[LeaseEvent], now: dt.datetime) -> Picture:

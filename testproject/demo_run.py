@@ -10,7 +10,9 @@ the embedded default (SQLite and the filesystem broker: no server to start):
    and worker B takes the lease over with token n+1, writes the report and the task's
    result, and releases.
 3. A thaws (SIGCONT): its lease is gone, and its report write and its result write
-   are refused. B's work stands, and the audit trail records every step.
+   are refused. B's work stands, and the audit trail records every step (the demo
+   records every grant and release, ``fenced_events="all"``; by default the trail keeps
+   the anomalies: the takeover, the loss and the refused writes).
 
 ``python -m testproject.demo_run admin`` (or ``bash testproject/demo.sh admin``) then
 serves the same database in Django's admin, with something on every page: the taken-over
@@ -59,6 +61,9 @@ def configure(broker_dir: Path | None = None) -> None:
         os.environ.pop(name, None)
     os.environ["FENCED_DB"] = "sqlite"
     os.environ["FENCED_SQLITE_PATH"] = str(DB_PATH)
+    # the whole story in the trail: every grant and release too (by default, only the
+    # anomalies are events; a routine grant and release live on the lease row)
+    os.environ["FENCED_EVENTS"] = "all"
     os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     if broker_dir is not None:
         os.environ["FENCED_BROKER_DIR"] = str(broker_dir)

@@ -147,5 +147,7 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_FENCED_TASKS: dict[str, dict[str, object]] = json.loads(
     os.environ.get("FENCED_TASKS_JSON", "{}")
 )
+if os.environ.get("FENCED_EVENTS"):  # "anomalies" (the default) or "all"
+    CELERY_FENCED_EVENTS = os.environ["FENCED_EVENTS"]
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])

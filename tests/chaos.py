@@ -151,6 +151,9 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         "FENCED_CHAOS_TTL": str(options.ttl),
         "FENCED_CHAOS_SABOTAGE": "1" if options.sabotage else "0",
         "FENCED_CHAOS_TRACE": "1",  # the tasks record the messages they send
+        # the checker replays every grant and release (acquired/reclaimed/released): it
+        # runs with the full trail; the lease statements are the same in both modes
+        "FENCED_EVENTS": "all",
     }
     os.environ.update(env)
     import django

@@ -77,7 +77,16 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         ("Task", {"fields": ("task_name", "task_link")}),
         (
             "Times (UTC, the database's clock)",
-            {"fields": ("acquired", "last_renewed", "expires", "expires_in", "released")},
+            {
+                "fields": (
+                    "acquired",
+                    "last_renewed",
+                    "expires",
+                    "expires_in",
+                    "released",
+                    "release_state",
+                )
+            },
         ),
         (
             "Reclaim",
@@ -97,6 +106,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         "expires",
         "expires_in",
         "released",
+        "release_state",
         "reclaim_state",
         "reclaim_attempts",
         "reclaim_claimed",

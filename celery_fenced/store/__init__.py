@@ -38,7 +38,7 @@ from celery_fenced.store.grants import (
     settle_elsewhere,
 )
 from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many
-from celery_fenced.store.pruning import delete_events_before
+from celery_fenced.store.pruning import delete_completions_before, delete_events_before
 from celery_fenced.store.reclaiming import (
     abandon,
     claim_expired,
@@ -67,6 +67,7 @@ __all__ = [
     "database_alias",
     "database_now",
     "default_owner",
+    "delete_completions_before",
     "delete_events_before",
     "estimated_rows",
     "expired_unclaimed",

@@ -14,7 +14,6 @@ from celery_fenced.context import _guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import Ending
 from celery_fenced.store.validation import database_alias
 
 if TYPE_CHECKING:
@@ -182,8 +181,7 @@ def prove_for_result(
     """
     dialect = dialects.for_alias(lease.alias)
     if releasing:
-        ending = Ending(lease.key, lease.token, lease.owner, lease.task_id, status, lease.delivery)
-        ok, current = dialect.release_current(ending)
+        ok, current = dialect.release_current(lease.ending(status))
     else:
         ok, current = dialect.prove_current(lease.key, lease.token)
     if ok and (not releasing or task_id != lease.task_id):

@@ -55,11 +55,13 @@ def acquire(
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
-    window = conf.load().duplicate_window if delivery is not None else 0.0
+    settings = conf.load()
+    window = settings.duplicate_window if delivery is not None else 0.0
+    routine = settings.routine_events
     sent = time.monotonic()
     with tables_required(alias):
         outcome = dialects.for_alias(alias).acquire(
-            GrantRequest(key, seconds, owner, task_id, task_name, job, delivery, window)
+            GrantRequest(key, seconds, owner, task_id, task_name, job, delivery, window, routine)
         )
     if isinstance(outcome, Completed):
         raise AlreadyCompleted(key, task_id, outcome.retries)
@@ -83,6 +85,7 @@ def acquire(
         renew_interval=renew_interval,
         delivery=delivery,
         confirmed_at=sent,
+        routine_events=routine,
     )
     signals.send(
         signals.lease_acquired,

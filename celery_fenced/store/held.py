@@ -41,6 +41,7 @@ class HeldLease:
         renew_interval: float | None = None,
         delivery: Delivery | None = None,
         confirmed_at: float | None = None,
+        routine_events: bool = False,
     ) -> None:
         self.key = key
         self.token = token
@@ -52,6 +53,8 @@ class HeldLease:
         self.reclaimed_from = reclaimed_from
         #: the task delivery this grant is for: its completion is marked at release
         self.delivery = delivery
+        #: its release is recorded as a ``released`` event (``fenced_events="all"``)
+        self.routine_events = routine_events
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
         self._lost_reason: str | None = None
@@ -117,16 +120,27 @@ class HeldLease:
             self.expires_at = expires_at
             self._confirmed_at = max(self._confirmed_at, sent)
 
+    def ending(self, state: str) -> Ending:
+        """The end of this grant in ``state``, as the store's release statements take it."""
+        return Ending(
+            self.key,
+            self.token,
+            self.owner,
+            self.task_id,
+            state,
+            self.delivery,
+            self.routine_events,
+        )
+
     def release(self, *, state: str = "") -> bool:
         """End the grant. Returns False (and marks the lease lost) if it was already gone.
 
-        ``state`` (the task's final state, when known) is recorded on the event.
+        ``state`` (the task's final state, when known) is recorded on the lease row (and
+        on the ``released`` event with ``fenced_events="all"``).
         """
         if self.released:
             return True
-        ok = dialects.for_alias(self.alias).release(
-            Ending(self.key, self.token, self.owner, self.task_id, state, self.delivery)
-        )
+        ok = dialects.for_alias(self.alias).release(self.ending(state))
         if ok:
             self.confirm_released()
         else:

@@ -1,4 +1,4 @@
-"""Pruning the audit trail: old events go, lease rows (and so their tokens) stay."""
+"""Pruning: old events and expired completion markers go; lease rows (and tokens) stay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from django.db.models import Count, Max, Min
 
-from celery_fenced.models import LeaseEvent
+from celery_fenced.models import Completion, LeaseEvent
 
 
 def delete_events_before(
@@ -37,3 +37,10 @@ def delete_events_before(
         if progress is not None and count:
             progress(deleted, max(span["total"], deleted))
     return deleted
+
+
+def delete_completions_before(alias: str, cutoff: dt.datetime) -> int:
+    """Delete the moved completion markers of jobs completed before ``cutoff`` (past the
+    duplicate window, they can no longer match a delivery); return how many."""
+    count, _ = Completion._default_manager.using(alias).filter(completed_at__lt=cutoff).delete()
+    return count

@@ -180,16 +180,8 @@ def test_browser__lease_page_history_and_timeline(page: Any) -> None:
     assert box["width"] > 600
     assert box["height"] > 100
     kinds = page.locator("tr.fenced-event td:nth-child(2)").all_inner_texts()
-    assert kinds == [
-        "acquired",
-        "force released",
-        "acquired",
-        "released",
-        "stale write rejected",
-        "lost",
-        "reclaimed",
-        "acquired",
-    ]
+    # the anomalies (fenced_events' default): the grants and releases are on the row
+    assert kinds == ["force released", "stale write rejected", "lost", "reclaimed"]
     assert page.locator(".field-state_badge .fenced-badge").inner_text() == "held"
     page.screenshot(path=str(DOCS_STATIC / "admin-lease.png"), full_page=True)
 
@@ -198,7 +190,7 @@ def test_browser__event_list_shows_every_column_at_1366_px(page: Any) -> None:
     some_leases()
     page.set_viewport_size({"width": 1366, "height": 700})
     page.goto(f"{page.base}/admin/celery_fenced/leaseevent/")
-    assert page.locator("#result_list tbody tr").count() >= 8
+    assert page.locator("#result_list tbody tr").count() >= 4  # the anomalies
     assert fits_the_width(page)
     detail = page.locator("#result_list td.field-detail", has_text="previous_owner").first
     box, table = detail.bounding_box(), page.locator("#result_list").bounding_box()

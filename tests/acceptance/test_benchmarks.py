@@ -18,12 +18,13 @@ def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
     from benchmarks.e2e import _lines
     from benchmarks.report import svg
 
-    names = ("plain", "fenced", "fenced-reuse", "plain-reuse", "redis-lock")
+    names = ("plain", "fenced", "fenced-all", "fenced-reuse", "plain-reuse", "redis-lock")
     times = {name: [1.0, 1.0] for name in (*names, "plain-acks-late-reuse")}
     cpu = {name: [0.0, 0.0] for name in times}  # a smoke batch can take 0 CPU ticks
     cpu["fenced"] = [0.02, 0.0]
     counts = {"plain": {"total": 3, "data": 2, "control": 1}}
     counts["fenced"] = {"total": 4, "data": 3, "control": 1}
+    counts["fenced-all"] = {"total": 4, "data": 3, "control": 1}
     lines = _lines(10, times, cpu, counts)
     cpu_lines = [line for line in lines if line.case.startswith("CPU")]
     assert cpu_lines
@@ -64,5 +65,6 @@ def test_benchmarks__smoke_run_prints_and_writes_every_row(tmp_path: Path) -> No
     statements = raw["statements"]
     assert statements["plain"]["total"] > 0, "PostgreSQL counted no statements"
     assert statements["fenced"]["total"] > statements["plain"]["total"]
+    assert statements["fenced-all"]["total"] >= statements["fenced"]["total"]
     assert raw["renewal"]["statements"] > 0
     assert raw["renewal"]["lost"] >= 0  # a lease lost on a loaded machine is a measurement

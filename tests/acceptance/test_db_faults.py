@@ -71,6 +71,7 @@ def test_postgres_down_past_the_ttl__holders_lose_and_every_job_completes_once(
     env = {
         "FENCED_TASKS_JSON": json.dumps({"chaos.configured": {"ttl": TTL}}),
         "FENCED_CHAOS_TTL": str(TTL),
+        "FENCED_EVENTS": "all",  # the grants are waited for by their events
     }
     workers = [
         start_worker(pool, pool=pool, concurrency=2, env=env, extra_args=INCLUDE)
@@ -153,7 +154,9 @@ def test_postgres_down_past_the_ttl__holders_lose_and_every_job_completes_once(
 @pytest.mark.parametrize("alias", ["postgres"])
 def test_retry_sent_before_a_failure__still_runs(alias: str, start_worker: Any) -> None:
     """The mechanism by which a PostgreSQL restart loses a job that asked to be retried."""
-    start_worker("a", env={"FENCED_CHAOS_TTL": str(TTL)}, extra_args=INCLUDE)
+    start_worker(
+        "a", env={"FENCED_CHAOS_TTL": str(TTL), "FENCED_EVENTS": "all"}, extra_args=INCLUDE
+    )
     task_id = send("chaos.retry_then_fail", queue=start_worker.queue, args=("retry1",))
     events = LeaseEvent.objects.using(alias).filter(task_id=task_id)
     wait_for(

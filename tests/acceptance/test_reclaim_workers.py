@@ -186,12 +186,9 @@ def test_sigkill_whole_worker__the_other_worker_completes_the_job(
     t = lease.token
     assert (sweeps.status, sweeps.value) == ("SUCCESS", {"worker": label(other), "token": t + 1})
     assert [(r.action, r.task_id, r.token) for r in sweeps.reclaimed] == [("resent", task_id, t)]
-    assert story(alias, task_id) == [
-        ("acquired", t),
-        ("resent", t),
-        ("reclaimed", t + 1),
-        ("released", t + 1),
-    ]
+    assert story(alias, task_id) == [("resent", t), ("reclaimed", t + 1)]  # the anomalies
+    released = Lease.objects.using(alias).get(task_id=task_id)  # and the routine end
+    assert (released.token, released.release_state) == (t + 1, "SUCCESS")
     entry = LedgerEntry.objects.using(alias).get(job="killed")
     assert (entry.worker, entry.token) == (label(other), t + 1)
     # how soon is a measurement (recorded above, and in the benchmarks), not an assert: the
@@ -285,7 +282,8 @@ def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
         )
         kinds = story(alias, task_id)
         assert ("force_released", lease.token + 1) not in kinds
-        assert ("released", lease.token + 1) in kinds
+        released = Lease.objects.using(alias).get(task_id=task_id)
+        assert (released.token, released.release_state) == (lease.token + 1, "SUCCESS")
     finally:
         for worker in started:
             worker.resume()

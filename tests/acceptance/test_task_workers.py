@@ -46,11 +46,9 @@ def test_fenced_task__runs_with_token_and_key_and_releases(alias: str, start_wor
     assert value["key"].startswith(PROBE + ":")
     assert value["lost"] is False
     lease = Lease.objects.using(alias).get(key=value["key"])
-    assert lease.released_at is not None
-    kinds = list(
-        LeaseEvent.objects.using(alias).filter(lease=lease).order_by("id").values_list("kind")
-    )
-    assert kinds == [("acquired",), ("released",)]
+    assert (lease.released_at is not None, lease.release_state) == (True, "SUCCESS")
+    # a routine grant and release: on the lease row, no event (fenced_events="anomalies")
+    assert not LeaseEvent.objects.using(alias).filter(lease=lease).exists()
 
 
 def test_fenced_task__forged_token_header_is_ignored(alias: str, start_worker: Any) -> None:
@@ -205,8 +203,7 @@ def test_completed_duplicate__redelivered_message_does_not_run_again(
     events = LeaseEvent.objects.using(alias).filter(task_id=task_id)
     wait_for(lambda: events.filter(kind="duplicate").exists(), 60, "the duplicate event")
     os.kill(worker_a.process.pid, signal.SIGCONT)
-    assert events.filter(kind="acquired").count() == 1
-    assert Lease.objects.using(alias).get(key=value["key"]).token == 1
+    assert Lease.objects.using(alias).get(key=value["key"]).token == 1  # granted once
     assert TaskResult.objects.using(alias).get(task_id=task_id).status == "SUCCESS"
 
 
@@ -241,7 +238,7 @@ def test_worker_start__invalid_settings_stop_the_worker_naming_them(
 
 
 def test_threads_pool__each_execution_sees_its_own_lease(alias: str, start_worker: Any) -> None:
-    start_worker("a", pool="threads", concurrency=2)
+    start_worker("a", pool="threads", concurrency=2, env={"FENCED_EVENTS": "all"})
     ids = [
         send(PROBE, queue=start_worker.queue, kwargs={"seconds": 1.5, "marker": m})
         for m in ("x", "y")
@@ -293,7 +290,8 @@ def test_pause_past_ttl_without_successor__job_retried_and_completes(
         for e in LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id")
     ]
     assert ("reclaimed", first.token + 1) in kinds
-    assert ("released", first.token + 1) in kinds
+    lease = Lease.objects.using(alias).get(key=key)
+    assert (lease.token, lease.release_state) == (first.token + 1, "SUCCESS")
 
 
 @pytest.mark.parametrize(
@@ -310,7 +308,7 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
 ) -> None:
     """The main process ends the execution (revoke --terminate, a hard time limit): the
     grant is force-released then, not left to run out its 30 s ttl."""
-    start_worker("a")
+    start_worker("a", env={"FENCED_EVENTS": "all"})  # the end is an event, whoever ended it
     options = {"time_limit": 1} if ending == "hard_time_limit" else {}
     task_id = send(task, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
     lease = wait_for(lambda: Lease.objects.using(alias).first(), 30, "the grant")

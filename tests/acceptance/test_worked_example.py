@@ -30,7 +30,8 @@ TASK = "testproject.demo.tasks.rebuild_report_short"  # lease_ttl=2
 
 def test_worked_example__stale_worker_is_fenced_out(alias: str, start_worker: Any) -> None:
     report = Report.objects.using(alias).create(name="q3")
-    redelivery = {"FENCED_VISIBILITY_TIMEOUT": "4"}
+    # every grant and release an event too: the whole story, in order, in the trail
+    redelivery = {"FENCED_VISIBILITY_TIMEOUT": "4", "FENCED_EVENTS": "all"}
     worker_a = start_worker("A", env=redelivery)
     task_id = send(TASK, queue=start_worker.queue, args=(report.pk,), kwargs={"seconds": 5})
     key = f"report:{report.pk}"

@@ -62,13 +62,17 @@ def spread(alias: str, key: str, step: dt.timedelta) -> None:
     """Space the events of ``key`` ``step`` apart, ending now (test data for pictures)."""
     events = list(LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id"))
     now = operations.database_now(alias)
-    for i, event in enumerate(events):
-        LeaseEvent.objects.using(alias).filter(pk=event.pk).update(
-            at=now - step * (len(events) - i)
-        )
     lease = Lease.objects.using(alias).get(key=key)
-    last_grant = max(e.id for e in events if e.kind in ("acquired", "reclaimed"))
-    granted = now - step * (len(events) - [e.id for e in events].index(last_grant))
+    granted = now - step / 2  # the current grant's, unless an event of it says otherwise
+    for i, event in enumerate(events):
+        at = now - step * (len(events) - i)
+        detail = dict(event.detail or {})
+        for start in ("previous_acquired_at", "acquired_at"):  # the grant began before
+            if start in detail:
+                detail[start] = (at - step / 2).isoformat()
+        LeaseEvent.objects.using(alias).filter(pk=event.pk).update(at=at, detail=detail)
+        if event.token == lease.token and event.kind in ("acquired", "reclaimed"):
+            granted = at
     Lease.objects.using(alias).filter(pk=lease.pk).update(
         acquired_at=granted, renewed_at=now, expires_at=now + dt.timedelta(seconds=30)
     )
@@ -226,6 +230,7 @@ def test_admin__force_release_button_needs_csrf_and_fences_the_holder(
     with pytest.raises(LeaseLost):
         holder.renew()
     event = LeaseEvent.objects.using(lease_db).get(kind="force_released")
+    assert event.detail.pop("acquired_at")  # when the grant ended began (for the timeline)
     assert (event.token, event.owner, event.detail) == (1, "worker-a", {"by": "admin:olga"})
     released = client.get(lease_url(lease_db, "k")).content.decode()
     assert "Force release" not in released  # nothing left to release
@@ -384,9 +389,13 @@ def test_admin__key_is_escaped_everywhere(lease_db: str, login: Callable[..., Cl
 
 
 # -- the lease page --------------------------------------------------------------------
+@pytest.mark.parametrize("events", ["anomalies", "all"])
 def test_admin__lease_page_shows_every_field_and_the_timeline(
-    lease_db: str, login: Callable[..., Client]
+    lease_db: str, login: Callable[..., Client], settings: Any, events: str
 ) -> None:
+    """The takeover's story in both modes: with the anomalies only, the grant taken over
+    is drawn from the takeover's event."""
+    settings.CELERY_FENCED_EVENTS = events
     takeover_history(lease_db)
     spread(lease_db, "report:42", dt.timedelta(minutes=1))
     page = login(*VIEWER).get(lease_url(lease_db, "report:42")).content.decode()
@@ -403,11 +412,14 @@ def test_admin__lease_page_shows_every_field_and_the_timeline(
         "Expires at",
         "Expires in",
         "Released at",
+        "Release state",
     ):
         assert f"{label}:</label>" in page, label
     svg = timeline_svg(page)
     for token in (1, 2, 3, 4):
         assert f">token {token}</text>" in svg
+    # without routine events, grant 1 is drawn from the takeover's event, grant 3 from
+    # its force release's, and grant 2 (released by its holder) up to grant 3's start
     assert svg.count('class="fenced-grant"') == 4
     assert svg.count("fenced-mark fenced-mark-reclaimed") == 1
     assert svg.count("fenced-mark fenced-mark-stale_write_rejected") == 1
@@ -423,8 +435,9 @@ def test_admin__lease_page_shows_every_field_and_the_timeline(
 
 
 def test_admin__lease_page_paginates_the_history(
-    lease_db: str, login: Callable[..., Client]
+    lease_db: str, login: Callable[..., Client], settings: Any
 ) -> None:
+    settings.CELERY_FENCED_EVENTS = "all"  # a routine history, to page through
     for _ in range(60):  # 120 events: acquired + released each
         acquire("busy-key", ttl=30, using=lease_db).release()
     acquire("busy-key", ttl=30, using=lease_db)  # 121st: the newest
@@ -452,8 +465,9 @@ def test_admin__lease_page_paginates_the_history(
 
 
 def test_admin__event_changelist_filters_and_searches(
-    lease_db: str, login: Callable[..., Client]
+    lease_db: str, login: Callable[..., Client], settings: Any
 ) -> None:
+    settings.CELERY_FENCED_EVENTS = "all"
     takeover_history(lease_db)
     acquire("other", ttl=30, task_id="tid-9", using=lease_db)
     client = login(*VIEWER)

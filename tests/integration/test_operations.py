@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 import time_machine
@@ -107,9 +108,10 @@ def test_fast_count__unfiltered_uses_the_planner_estimate_on_postgresql(alias: s
     assert operations.fast_count(held, cap=100) == operations.RowCount(3)
 
 
-def test_prune_events__keeps_recent_events_between_old_ones(alias: str) -> None:
+def test_prune_events__keeps_recent_events_between_old_ones(alias: str, settings: Any) -> None:
     from celery_fenced.models import LeaseEvent
 
+    settings.CELERY_FENCED_EVENTS = "all"  # two events per grant
     for _ in range(4):  # old and recent events interleaved by id
         acquire("old", ttl=30, using=alias).release()
         acquire("recent", ttl=30, using=alias).release()

@@ -115,7 +115,7 @@ def test_reclaim__resends_an_expired_unfinished_job_once_with_its_task_id(
     lease = row(alias)
     assert (lease.reclaim_state, lease.reclaim_attempts) == ("resent", 1)
     assert lease.reclaim_claimed_at is not None
-    assert kinds(alias) == [("acquired", 1), ("resent", 1)]
+    assert kinds(alias) == [("resent", 1)]
     event = LeaseEvent.objects.using(alias).get(kind="resent")
     assert event.task_id == "t1"
     assert event.detail["attempt"] == 1
@@ -177,7 +177,6 @@ def test_reclaim__reexecution_takes_next_token_and_max_attempts_abandon_once(
     assert abandoned.detail["attempts"] == 2
     assert abandoned.detail["max"] == 2
     assert [k for k, _ in kinds(alias)] == [
-        "acquired",
         "resent",
         "reclaimed",
         "resent",

@@ -78,5 +78,3 @@ def test_sql_literals__are_the_enums_values() -> None:
     assert all(literal == f"'{value.value}'" for literal, value in literals.items())
     assert f"'{Kind.ABANDONED.value}'" == records.SQL_ABANDONED
     assert f"'{ReclaimState.ABANDONED.value}'" == records.SQL_STATE_ABANDONED
-    expected = "(" + ", ".join(f"'{state}'" for state in records.COMPLETED_STATES) + ")"
-    assert expected == records.COMPLETED_STATES_SQL

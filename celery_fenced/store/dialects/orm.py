@@ -10,9 +10,8 @@ from django.db import transaction
 from django.db.models import F
 from django_celery_results.models import TaskResult
 
-from celery_fenced.models import Lease, LeaseEvent, ReclaimState
+from celery_fenced.models import Completion, Lease, LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.records import (
-    COMPLETED_STATES,
     Claim,
     Completed,
     Delivery,
@@ -64,7 +63,7 @@ class ORMDialect(PortableOperations):
                     expires_at=expires,
                     job=request.job,
                 )
-                reclaimed_from = ""
+                reclaimed_from, previous_start = "", None
             elif row.released_at is None and row.expires_at > now:
                 self._event(
                     row.pk,
@@ -80,6 +79,7 @@ class ORMDialect(PortableOperations):
                 )
             else:
                 reclaimed_from = row.owner if row.released_at is None else ""
+                previous_start = row.acquired_at
                 # a re-delivery of the same unfinished task keeps its reclaim count
                 same_job = (
                     row.released_at is None
@@ -95,6 +95,7 @@ class ORMDialect(PortableOperations):
                     renewed_at=now,
                     expires_at=expires,
                     released_at=None,
+                    release_state="",
                     reclaimed_from=reclaimed_from,
                     job=request.job,
                     reclaim_attempts=row.reclaim_attempts if same_job else 0,
@@ -102,32 +103,20 @@ class ORMDialect(PortableOperations):
                     reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
                 )
                 row.refresh_from_db(fields=["token"])
-            self._grant_event(
-                row.pk, row.token, request.task_id, request.owner, now, reclaimed_from
-            )
+            if reclaimed_from:
+                detail = {
+                    "previous_owner": reclaimed_from,
+                    "previous_token": row.token - 1,
+                    "previous_acquired_at": previous_start and previous_start.isoformat(),
+                }
+                self._event(
+                    row.pk, Kind.RECLAIMED, row.token, request.task_id, request.owner, now, detail
+                )
+            elif request.routine_events:
+                self._event(
+                    row.pk, Kind.ACQUIRED, row.token, request.task_id, request.owner, now, {}
+                )
             return Grant(row.pk, row.token, expires, reclaimed_from)
-
-    def _grant_event(
-        self,
-        lease_id: int,
-        token: int,
-        task_id: str,
-        owner: str,
-        now: dt.datetime,
-        reclaimed_from: str,
-    ) -> None:
-        if reclaimed_from:
-            self._event(
-                lease_id,
-                Kind.RECLAIMED,
-                token,
-                task_id,
-                owner,
-                now,
-                {"previous_owner": reclaimed_from, "previous_token": token - 1},
-            )
-        else:
-            self._event(lease_id, Kind.ACQUIRED, token, task_id, owner, now, {})
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         renewed: dict[tuple[str, int], dt.datetime] = {}
@@ -166,39 +155,35 @@ class ORMDialect(PortableOperations):
             )
             if row is None:
                 return False
-            self._end(
-                row.pk,
-                ending.token,
-                ending.task_id,
-                ending.owner,
-                now,
-                ending.state,
-                ending.delivery,
-            )
+            self._end(row.pk, ending, now)
             return True
 
-    def _end(
-        self,
-        lease_id: int,
-        token: int,
-        task_id: str,
-        owner: str,
-        now: dt.datetime,
-        state: str,
-        delivery: Delivery | None,
-    ) -> None:
-        """Release a locked grant, mark its job completed if it is, record the event."""
-        values: dict[str, Any] = {"released_at": now, "job": None}
+    def _end(self, lease_id: int, ending: Ending, now: dt.datetime) -> None:
+        """Release a locked grant; mark its job completed if it is (moving a displaced
+        marker to the ``Completion`` table); the ``released`` event with routine events."""
+        state, delivery = ending.state, ending.delivery
+        values: dict[str, Any] = {"released_at": now, "job": None, "release_state": state[:16]}
+        manager = Lease._default_manager.using(self.alias)
         if delivery is not None and completes(state, delivery):
+            old = manager.filter(pk=lease_id).values_list(
+                "completed_digest", "completed_retries", "completed_at"
+            )[0]
+            digest, retries, completed_at = old
+            if digest not in ("", delivery.digest) and retries is not None and completed_at:
+                Completion._default_manager.using(self.alias).create(
+                    digest=digest, retries=retries, completed_at=completed_at
+                )
             values.update(
                 completed_digest=delivery.digest,
                 completed_retries=delivery.retries,
                 completed_at=now,
             )
-        Lease._default_manager.using(self.alias).filter(pk=lease_id).update(**values)
-        self._event(
-            lease_id, Kind.RELEASED, token, task_id, owner, now, released_detail(state, delivery)
-        )
+        manager.filter(pk=lease_id).update(**values)
+        if ending.routine_events:
+            detail = released_detail(state, delivery)
+            self._event(
+                lease_id, Kind.RELEASED, ending.token, ending.task_id, ending.owner, now, detail
+            )
 
     def force_release(
         self, key: str, by: str, task_id: str | None = None, token: int | None = None
@@ -215,8 +200,9 @@ class ORMDialect(PortableOperations):
             if row is None:
                 return None
             manager.filter(pk=row.pk).update(released_at=now, job=None)
+            detail = {"by": by, "acquired_at": row.acquired_at.isoformat()}
             self._event(
-                row.pk, Kind.FORCE_RELEASED, row.token, row.task_id, row.owner, now, {"by": by}
+                row.pk, Kind.FORCE_RELEASED, row.token, row.task_id, row.owner, now, detail
             )
             return row.token, row.owner
 
@@ -250,15 +236,7 @@ class ORMDialect(PortableOperations):
         lease_id, current = self._lock_if_current(ending.key, ending.token, now, expired_ok=True)
         if lease_id is None:
             return False, current
-        self._end(
-            lease_id,
-            ending.token,
-            ending.task_id,
-            ending.owner,
-            now,
-            ending.state,
-            ending.delivery,
-        )
+        self._end(lease_id, ending, now)
         self.lock_for_result(ending.task_id)
         return True, current
 
@@ -294,15 +272,8 @@ class ORMDialect(PortableOperations):
         ):
             return True
         return (
-            LeaseEvent._default_manager.using(self.alias)
-            .filter(
-                task_id=delivery.task_id,
-                kind=LeaseEvent.Kind.RELEASED,
-                detail__state__in=COMPLETED_STATES,
-                detail__retries__gte=delivery.retries,
-                detail__digest=delivery.digest,
-                at__gt=since,
-            )
+            Completion._default_manager.using(self.alias)
+            .filter(digest=delivery.digest, retries__gte=delivery.retries, completed_at__gt=since)
             .exists()
         )
 

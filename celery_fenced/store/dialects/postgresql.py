@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from celery_fenced.store.dialects.records import (
+    COMPLETION,
     EVENT,
     LEASE,
     SQL_ABANDONED,
@@ -99,6 +100,8 @@ class PostgreSQL(SQLDialect):
         )
         unless_completed, params = self._grant_params(request)
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
+        # a takeover is always recorded; with routine events every grant is. The
+        # previous grant's start is read from the statement's snapshot: the row before it
         rows = self._fetch(
             f"""WITH granted AS ({grant}),
                 ev AS (
@@ -107,11 +110,14 @@ class PostgreSQL(SQLDialect):
                                     THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
                            token, %s, %s, statement_timestamp(),
                            CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
-                           jsonb_build_object('previous_owner', reclaimed_from,
-                                              'previous_token', token - 1) END
-                    FROM granted)
+                           jsonb_build_object(
+                               'previous_owner', reclaimed_from,
+                               'previous_token', token - 1,
+                               'previous_acquired_at',
+                               (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
+                    FROM granted WHERE reclaimed_from <> '' OR %s)
                 SELECT id, token, expires_at, reclaimed_from FROM granted""",
-            [*params, task_id, owner],
+            [*params, task_id, owner, key, request.routine_events],
         )
         if rows:
             lease_id, token, expires_at, reclaimed_from = rows[0]
@@ -147,11 +153,11 @@ class PostgreSQL(SQLDialect):
             f"""WITH r AS (
                     UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
                     WHERE key = %s AND released_at IS NULL {only_task} {only_token}
-                    RETURNING id, token, owner, task_id),
+                    RETURNING id, token, owner, task_id, acquired_at),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_FORCE_RELEASED}, token, task_id, owner, statement_timestamp(),
-                           jsonb_build_object('by', %s::text)
+                           jsonb_build_object('by', %s::text, 'acquired_at', acquired_at)
                     FROM r)
                 SELECT token, owner FROM r""",
             [
@@ -195,39 +201,76 @@ class PostgreSQL(SQLDialect):
     def _release(
         self, ending: Ending, *, holder_only: bool, lock_result: bool
     ) -> list[tuple[Any, ...]]:
-        """The releasing ``UPDATE`` with its event (and the result lock): the rows released.
+        """The releasing ``UPDATE`` with what goes with it: the rows released.
 
         ``holder_only`` also requires the owner to match; ``lock_result`` takes
         ``ending.task_id``'s result lock in the same statement (:meth:`lock_for_result`).
+        A completing release moves the row's previous completion marker, if another
+        job's, to the ``Completion`` table (read from the snapshot: only this grant's
+        release changes the marker, and this grant is held). The ``released`` event is
+        written with routine events only.
         """
         state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
-        completion = self._completion_sql() if marker else ""
         by_owner = "AND owner = %s" if holder_only else ""
+        completion = self._completion_set() if marker else ""
+        old = (
+            f"""old AS (SELECT completed_digest, completed_retries, completed_at
+                        FROM {LEASE} WHERE key = %s),"""
+            if marker
+            else ""
+        )
+        moved = (
+            f""", moved AS (
+                    INSERT INTO {COMPLETION} (digest, retries, completed_at)
+                    SELECT o.completed_digest, o.completed_retries, o.completed_at
+                    FROM old o, r WHERE o.completed_digest NOT IN ('', %s))"""
+            if marker
+            else ""
+        )
         lock = (
             ", lk AS (SELECT pg_advisory_xact_lock(hashtextextended(%s, 0)) FROM r)"
             if lock_result
             else ""
         )
         return self._fetch(
-            f"""WITH r AS (
-                    UPDATE {LEASE} SET released_at = statement_timestamp(), job = NULL
-                        {completion}
+            f"""WITH {old} r AS (
+                    UPDATE {LEASE} SET {self._release_set()} {completion}
                     WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
-                    RETURNING id, token),
+                    RETURNING id, token){moved},
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r){lock}
+                    FROM r WHERE %s){lock}
                 SELECT r.token FROM r{", lk" if lock_result else ""}""",
             [
+                *([ending.key] if marker else []),
+                state[:16],
                 *marker,
                 ending.key,
                 ending.token,
                 *([ending.owner] if holder_only else []),
+                *marker[:1],
                 ending.task_id,
                 ending.owner,
                 json.dumps(released_detail(state, delivery)),
+                ending.routine_events,
                 *([result_lock(ending.task_id)] if lock_result else []),
             ],
         )
+
+    def _unchanged_sql(self) -> str:
+        """The conflicting row's marker is still the one in the statement's snapshot.
+
+        The conflict clause sees the row's latest version, but the ``Completion`` rows
+        only as of the snapshot: a completion that committed in between, moving this
+        delivery's marker there, would go unseen. Then nothing is granted here, and the
+        check after it (a new statement, a new snapshot) finds the job completed.
+        Parameter: the key.
+        """
+        return (
+            f"AND l.completed_digest = (SELECT s.completed_digest FROM {LEASE} s WHERE s.key = %s)"
+        )
+
+    def _unchanged_params(self, key: str) -> list[Any]:
+        return [key]

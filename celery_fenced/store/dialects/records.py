@@ -10,10 +10,11 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 from django_celery_results.models import TaskResult
 
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Completion, Lease, LeaseEvent
 
 LEASE = Lease._meta.db_table
 EVENT = LeaseEvent._meta.db_table
+COMPLETION = Completion._meta.db_table
 RESULT = TaskResult._meta.db_table
 
 
@@ -86,6 +87,8 @@ class GrantRequest:
     job: str | None = None
     delivery: Delivery | None = None
     window: float = 0.0
+    #: record an ``acquired`` event (``fenced_events="all"``); a takeover is always recorded
+    routine_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,17 @@ class Ending:
     task_id: str
     state: str = ""
     delivery: Delivery | None = None
+    #: record a ``released`` event (``fenced_events="all"``)
+    routine_events: bool = False
 
 
 #: the release state of an execution that replaced itself (``Task.replace``): the
 #: replacement, sent in the same transaction, does the rest of the job
 REPLACED = "REPLACED"
-#: the states of a release that mark its delivery's attempt finished (and as SQL): a
+#: the states of a release that mark its delivery's attempt finished: a
 #: RETRY release comes after the retry message (retries + 1) was sent, so only that one,
 #: not a copy of this attempt's message, runs the job on
 COMPLETED_STATES = ("SUCCESS", "FAILURE", REPLACED, "RETRY")
-COMPLETED_STATES_SQL = "('SUCCESS', 'FAILURE', 'REPLACED', 'RETRY')"  # checked by a test
 
 
 @dataclass(frozen=True)
@@ -174,11 +178,7 @@ def abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
 
 
 def released_detail(state: str, delivery: Delivery | None = None) -> dict[str, Any]:
-    """The detail of a ``released`` event: the final state and the delivery it ended.
-
-    The delivery's ``retries`` and ``digest`` are what the completed-duplicate check
-    compares a later delivery of the same task id with.
-    """
+    """The detail of a ``released`` event: the final state and the delivery it ended."""
     detail: dict[str, Any] = {"state": state} if state else {}
     if delivery is not None:
         detail["retries"] = delivery.retries

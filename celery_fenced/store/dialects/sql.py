@@ -9,10 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from celery_fenced.store.dialects.records import (
-    COMPLETED_STATES_SQL,
+    COMPLETION,
     EVENT,
     LEASE,
-    SQL_RELEASED,
     SQL_STATE_ABANDONED,
     SQL_STATE_RESENT,
     Delivery,
@@ -46,35 +45,39 @@ class SQLDialect(PortableOperations):
         """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
 
         Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
-        then those of :meth:`_completed_sql` and of :meth:`_marked_sql`: nothing is
-        granted when the delivery's job already completed. The lease row's completion
-        marker is tested in the conflict clause, which PostgreSQL evaluates on the row's
-        latest version under its lock: a completion committing while this statement
-        waits for the row is seen (a subquery would read the statement's snapshot).
+        then those of :meth:`_completed_sql`, :meth:`_marked_sql` and
+        :meth:`_unchanged_sql`: nothing is granted when the delivery's job already
+        completed. The lease row's completion marker is tested in the conflict clause,
+        which PostgreSQL evaluates on the row's latest version under its lock: a
+        completion committing while this statement waits for the row is seen (a subquery
+        reads the statement's snapshot: see :meth:`_unchanged_sql`).
         """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
         same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
         values = (
-            f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL, ''"
+            f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL, "
+            "'', ''"
         )
         proposed = (
             f"SELECT {values} WHERE NOT EXISTS ({self._completed_sql()})"
             if unless_completed
             else f"VALUES ({values})"
         )
-        unmarked = f"AND NOT {self._marked_sql('l')}" if unless_completed else ""
+        unmarked = (
+            f"AND NOT {self._marked_sql('l')} {self._unchanged_sql()}" if unless_completed else ""
+        )
         return f"""
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
                                       renewed_at, expires_at, released_at, reclaimed_from,
                                       job, reclaim_attempts, reclaim_state, reclaim_claimed_at,
-                                      completed_digest)
+                                      completed_digest, release_state)
             {proposed}
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
                 task_name = excluded.task_name, acquired_at = excluded.acquired_at,
                 renewed_at = excluded.renewed_at, expires_at = excluded.expires_at,
-                released_at = NULL,
+                released_at = NULL, release_state = '',
                 reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
                 job = excluded.job,
                 reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
@@ -84,17 +87,13 @@ class SQLDialect(PortableOperations):
             RETURNING id, token, expires_at, reclaimed_from"""
 
     def _completed_sql(self) -> str:
-        """The ``released`` events that make a delivery a completed duplicate.
+        """The ``Completion`` rows that make a delivery a completed duplicate.
 
-        Parameters: task id, retries, digest, window (seconds). Reaches back to jobs
-        completed under this key before another job used it since.
+        Parameters: digest, retries, window (seconds). They reach back to jobs completed
+        under this key before another job completed there since (see :meth:`_displaced`).
         """
-        return f"""SELECT 1 FROM {EVENT} e
-                   WHERE e.task_id = %s AND e.kind = {SQL_RELEASED}
-                     AND {self.json_text("e.detail", "state")} IN {COMPLETED_STATES_SQL}
-                     AND {self.json_int("e.detail", "retries")} >= %s
-                     AND {self.json_text("e.detail", "digest")} = %s
-                     AND e.at > {self.ago("%s")}"""
+        return f"""SELECT 1 FROM {COMPLETION} c
+                   WHERE c.digest = %s AND c.retries >= %s AND c.completed_at > {self.ago("%s")}"""
 
     def _marked_sql(self, alias: str) -> str:
         """The lease row's completion marker names the delivery's job.
@@ -106,12 +105,20 @@ class SQLDialect(PortableOperations):
 
     def _completed_params(self, delivery: Delivery, window: float) -> list[Any]:
         return [
-            delivery.task_id,
-            delivery.retries,
-            delivery.digest,
-            self.ttl_param(window),
-            *self._marked_params(delivery, window),
+            *self._marked_params(delivery, window),  # the Completion rows
+            *self._marked_params(delivery, window),  # the lease row's marker
         ]
+
+    def _unchanged_sql(self) -> str:
+        """A condition on the conflicting lease row ``l``: unchanged since the snapshot.
+
+        Empty here: SQLite runs one writer at a time, so the statement's reads are the
+        latest. See the PostgreSQL dialect.
+        """
+        return ""
+
+    def _unchanged_params(self, key: str) -> list[Any]:
+        return []
 
     def _marked_params(self, delivery: Delivery, window: float) -> list[Any]:
         return [delivery.digest, delivery.retries, self.ttl_param(window)]
@@ -128,11 +135,7 @@ class SQLDialect(PortableOperations):
         rows = self._fetch(
             f"""SELECT 1 FROM {LEASE} l WHERE l.key = %s AND {self._marked_sql("l")}
                 UNION ALL {self._completed_sql()}""",
-            [
-                key,
-                *self._marked_params(delivery, window),
-                *self._completed_params(delivery, window)[:4],
-            ],
+            [key, *self._marked_params(delivery, window), *self._marked_params(delivery, window)],
         )
         return bool(rows)
 
@@ -150,10 +153,16 @@ class SQLDialect(PortableOperations):
         unless_completed = delivery is not None and bool(delivery.task_id)
         if delivery is not None and unless_completed:
             params += self._completed_params(delivery, request.window)
+            params += self._unchanged_params(request.key)
         return unless_completed, params
 
-    def _completion_sql(self) -> str:
-        """The ``SET`` fragment a completing release adds: the lease row's marker."""
+    def _release_set(self) -> str:
+        """The ``SET`` list of a release: its time and state. Parameter: the state."""
+        return f"released_at = {self.NOW}, job = NULL, release_state = %s"
+
+    def _completion_set(self) -> str:
+        """What a completing release adds to :meth:`_release_set`: the completion marker.
+        Parameters: the digest and the retry count (:meth:`_completion_params`)."""
         return f", completed_digest = %s, completed_retries = %s, completed_at = {self.NOW}"
 
     @staticmethod

@@ -9,6 +9,7 @@ from django.db import transaction
 
 from celery_fenced.models import LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.records import (
+    COMPLETION,
     EVENT,
     LEASE,
     RESULT,
@@ -87,16 +88,27 @@ class SQLite(SQLDialect):
         )
         unless_completed, params = self._grant_params(request)
         with transaction.atomic(using=self.alias):
+            # the previous grant's start, for a takeover's event: read by a write that
+            # changes nothing, so the transaction holds the write lock from its first
+            # statement (a read's shared lock cannot always be upgraded: "database is
+            # locked" at once, whatever the timeout)
+            before = self._fetch(
+                f"UPDATE {LEASE} SET token = token WHERE key = %s RETURNING acquired_at", [key]
+            )
+            previous_start = aware(before[0][0]).isoformat() if before else None
             grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
             rows = self._fetch(grant, params)
             if rows:
                 lease_id, token, expires_at, reclaimed_from = rows[0]
                 if reclaimed_from:
-                    kind = Kind.RECLAIMED
-                    detail = {"previous_owner": reclaimed_from, "previous_token": token - 1}
-                else:
-                    kind, detail = Kind.ACQUIRED, {}
-                self._insert_event(lease_id, kind, token, task_id, owner, detail)
+                    detail = {
+                        "previous_owner": reclaimed_from,
+                        "previous_token": token - 1,
+                        "previous_acquired_at": previous_start,
+                    }
+                    self._insert_event(lease_id, Kind.RECLAIMED, token, task_id, owner, detail)
+                elif request.routine_events:
+                    self._insert_event(lease_id, Kind.ACQUIRED, token, task_id, owner, {})
                 return Grant(lease_id, token, aware(expires_at), reclaimed_from)
             if (
                 delivery is not None
@@ -127,21 +139,8 @@ class SQLite(SQLDialect):
         )
 
     def release(self, ending: Ending) -> bool:
-        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
-        state, delivery = ending.state, ending.delivery
-        marker = self._completion_params(state, delivery)
-        completion = self._completion_sql() if marker else ""
         with transaction.atomic(using=self.alias):
-            rows = self._fetch(
-                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL {completion}
-                    WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
-                    RETURNING id""",
-                [*marker, key, token, owner],
-            )
-            if rows:
-                detail = released_detail(state, delivery)
-                self._insert_event(rows[0][0], Kind.RELEASED, token, task_id, owner, detail)
-            return bool(rows)
+            return self._release(ending, holder_only=True)
 
     def force_release(
         self, key: str, by: str, task_id: str | None = None, token: int | None = None
@@ -152,7 +151,7 @@ class SQLite(SQLDialect):
             rows = self._fetch(
                 f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
                     WHERE key = %s AND released_at IS NULL {only_task} {only_token}
-                    RETURNING id, token, owner, task_id""",
+                    RETURNING id, token, owner, task_id, acquired_at""",
                 [
                     key,
                     *([] if task_id is None else [task_id]),
@@ -161,8 +160,9 @@ class SQLite(SQLDialect):
             )
             if not rows:
                 return None
-            lease_id, token, owner, task_id = rows[0]
-            self._insert_event(lease_id, Kind.FORCE_RELEASED, token, task_id, owner, {"by": by})
+            lease_id, token, owner, task_id, acquired_at = rows[0]
+            detail = {"by": by, "acquired_at": aware(acquired_at).isoformat()}
+            self._insert_event(lease_id, Kind.FORCE_RELEASED, token, task_id, owner, detail)
             return token, owner
 
     def lock_for_result(self, task_id: str) -> None:
@@ -186,26 +186,47 @@ class SQLite(SQLDialect):
         return False, self._current_token(key)
 
     def release_current(self, ending: Ending) -> tuple[bool, int | None]:
-        """One conditional ``UPDATE`` (it takes the write lock), then its event.
+        """One conditional ``UPDATE`` (it takes the write lock), then what goes with it.
 
         As on PostgreSQL, a grant that expired with no successor is still accepted. The
         update takes SQLite's write lock, which is also ``task_id``'s result lock.
         """
-        key, token, owner, task_id = ending.key, ending.token, ending.owner, ending.task_id
+        if self._release(ending, holder_only=False):
+            return True, ending.token
+        return False, self._current_token(ending.key)
+
+    def _release(self, ending: Ending, *, holder_only: bool) -> bool:
+        """Release the grant in the caller's transaction; move a displaced completion marker
+        to the ``Completion`` table; the ``released`` event with routine events only."""
         state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
-        completion = self._completion_sql() if marker else ""
+        by_owner = "AND owner = %s" if holder_only else ""
+        completion = self._completion_set() if marker else ""
+        holder = [ending.key, ending.token, *([ending.owner] if holder_only else [])]
+        if marker:
+            # first (a write: the write lock from the first statement), under the
+            # release's own conditions: the marker this release is about to replace
+            self._fetch(
+                f"""INSERT INTO {COMPLETION} (digest, retries, completed_at)
+                    SELECT completed_digest, completed_retries, completed_at FROM {LEASE}
+                    WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
+                      AND completed_digest NOT IN ('', %s) RETURNING id""",
+                [*holder, marker[0]],
+            )
         rows = self._fetch(
-            f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL {completion}
-                WHERE key = %s AND token = %s AND released_at IS NULL
+            f"""UPDATE {LEASE} SET {self._release_set()} {completion}
+                WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
                 RETURNING id""",
-            [*marker, key, token],
+            [state[:16], *marker, *holder],
         )
         if not rows:
-            return False, self._current_token(key)
-        detail = released_detail(state, delivery)
-        self._insert_event(rows[0][0], Kind.RELEASED, token, task_id, owner, detail)
-        return True, token
+            return False
+        if ending.routine_events:
+            detail = released_detail(state, delivery)
+            self._insert_event(
+                rows[0][0], Kind.RELEASED, ending.token, ending.task_id, ending.owner, detail
+            )
+        return True
 
     def estimated_rows(self, table: str) -> int | None:
         return None  # SQLite keeps no estimate: the count is exact
