@@ -473,91 +473,36 @@ def _lines(profile: Any, measured: dict[tuple[str, int, int, str], list[float]])
                 config = (database, procs, keys)
                 name = "PostgreSQL" if database == "postgresql" else "SQLite"
                 where = f"{name}, {_plural(procs, 'proc')}, {_plural(keys, 'key')}"
-                r = ratio(config, "api", "raw")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: API vs raw statements",
-                        measured=value(config, "api"),
-                        baseline=value(config, "raw"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                        target="≥ 0.80x",
-                        kind="min",
-                        limit=0.80,
+
+                def compare(a: str, b: str, text: str, **target: Any) -> None:
+                    r = ratio(config, a, b)  # noqa: B023 - called at once, in this loop
+                    lines.append(
+                        Line(
+                            row="3 lock cycles",
+                            case=f"{where}: {text}",  # noqa: B023
+                            measured=value(config, a),  # noqa: B023
+                            baseline=value(config, b),  # noqa: B023
+                            ratio=median_or_none(r),
+                            spread=spread(r),
+                            **target,
+                        )
                     )
-                )
+
+                at_least_080 = {"target": "≥ 0.80x", "kind": "min", "limit": 0.80}
+                compare("api", "raw", "API vs raw statements", **at_least_080)
                 if database != "postgresql":
                     continue
-                r = ratio(config, "api-using", "raw")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: API with using= vs raw statements",
-                        measured=value(config, "api-using"),
-                        baseline=value(config, "raw"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                    )
+                compare("api-using", "raw", "API with using= vs raw statements")
+                at_least_075 = {"target": "≥ 0.75x", "kind": "min", "limit": 0.75}
+                compare("api", "redis", "API vs Redis lock", **at_least_075)
+                compare("api-all", "redis", "API, fenced_events='all' vs Redis lock")
+                compare(
+                    "api-prepared",
+                    "redis",
+                    "API, prepared statements (Django OPTIONS) vs Redis lock",
                 )
-                r = ratio(config, "api", "redis")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: API vs Redis lock",
-                        measured=value(config, "api"),
-                        baseline=value(config, "redis"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                        target="≥ 0.75x",
-                        kind="min",
-                        limit=0.75,
-                    )
-                )
-                r = ratio(config, "api-all", "redis")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: API, fenced_events='all' vs Redis lock",
-                        measured=value(config, "api-all"),
-                        baseline=value(config, "redis"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                    )
-                )
-                r = ratio(config, "api-prepared", "redis")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: API, prepared statements (Django OPTIONS) vs Redis lock",
-                        measured=value(config, "api-prepared"),
-                        baseline=value(config, "redis"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                    )
-                )
-                r = ratio(config, "lean", "redis")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: lean statements (no events, prepared) vs Redis lock",
-                        measured=value(config, "lean"),
-                        baseline=value(config, "redis"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                    )
-                )
-                r = ratio(config, "advisory", "redis")
-                lines.append(
-                    Line(
-                        row="3 lock cycles",
-                        case=f"{where}: advisory lock vs Redis lock",
-                        measured=value(config, "advisory"),
-                        baseline=value(config, "redis"),
-                        ratio=median_or_none(r),
-                        spread=spread(r),
-                    )
-                )
+                compare("lean", "redis", "lean statements (no events, prepared) vs Redis lock")
+                compare("advisory", "redis", "advisory lock vs Redis lock")
     return lines
 
 

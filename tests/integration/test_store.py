@@ -557,38 +557,45 @@ def test_acquire__completed_duplicate_of_a_held_key_is_a_duplicate_not_busy(
     assert kinds(alias, "job") == [("busy", 2)]
 
 
+def redelivered_while_completing(alias: str, portable: bool, ending: Ending) -> Any:
+    """t1's redelivery asks for the key while ``ending`` (a completion) is being committed:
+    its grant statement starts before the commit and waits for the lease row. Returns
+    what it was given."""
+    import threading
+
+    from django.db import transaction
+
+    if portable and alias == "default":
+        pytest.skip("the portable dialect relies on row locks, which SQLite does not have")
+    outcome: list[Any] = []
+
+    def redelivery() -> None:
+        try:
+            other = for_alias(alias, portable=portable)
+            request = GrantRequest("job", 30, "c", "t1", "task", None, delivery(), 3600)
+            outcome.append(other.acquire(request))
+        finally:
+            connections[alias].close()
+
+    with transaction.atomic(using=alias):
+        assert for_alias(alias, portable=portable).release_current(ending)[0]
+        thread = threading.Thread(target=redelivery)
+        thread.start()
+        wait_until_blocked(alias, thread)
+    thread.join(timeout=30)
+    return outcome[0]
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_acquire__completion_committing_while_the_duplicate_waits_is_seen(
     alias: str, portable: bool
 ) -> None:
     """The duplicate's grant statement starts before the completing transaction commits
     and waits for the lease row: it must not be granted (issue 14, case 4)."""
-    import threading
-
-    if portable and alias == "default":
-        pytest.skip("the portable dialect relies on row locks, which SQLite does not have")
-
-    from django.db import transaction
-
     dialect = for_alias(alias, portable=portable)
     dialect.acquire(GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 3600))
-    outcome: list[Any] = []
-
-    def duplicate() -> None:
-        try:
-            other = for_alias(alias, portable=portable)
-            request = GrantRequest("job", 30, "b", "t1", "task", None, delivery(), 3600)
-            outcome.append(other.acquire(request))
-        finally:
-            connections[alias].close()
-
-    with transaction.atomic(using=alias):
-        assert dialect.release_current(Ending("job", 1, "a", "t1", "SUCCESS", delivery()))[0]
-        thread = threading.Thread(target=duplicate)
-        thread.start()
-        wait_until_blocked(alias, thread)
-    thread.join(timeout=30)
-    assert outcome == [Completed("t1", 0)]
+    done = Ending("job", 1, "a", "t1", "SUCCESS", delivery())
+    assert redelivered_while_completing(alias, portable, done) == Completed("t1", 0)
     assert Lease.objects.using(alias).get(key="job").token == 1
 
 
@@ -599,35 +606,13 @@ def test_acquire__marker_moved_while_the_duplicate_waits_is_seen(
     """t1 completed under the key, then t9 took it. t9's completion moves t1's marker to
     the Completion table while t1's redelivery waits for the row: the grant statement's
     snapshot does not see the moved marker, so it must not be granted (issue 16)."""
-    import threading
-
-    if portable and alias == "default":
-        pytest.skip("the portable dialect relies on row locks, which SQLite does not have")
-
-    from django.db import transaction
-
     completion(alias, delivery(), key="job")
     dialect = for_alias(alias, portable=portable)
     t9 = delivery("t9", 0, "m9")
     granted = dialect.acquire(GrantRequest("job", 30, "b", "t9", "task", None, t9, 3600))
     assert isinstance(granted, Grant)
-    outcome: list[Any] = []
-
-    def duplicate() -> None:
-        try:
-            other = for_alias(alias, portable=portable)
-            request = GrantRequest("job", 30, "c", "t1", "task", None, delivery(), 3600)
-            outcome.append(other.acquire(request))
-        finally:
-            connections[alias].close()
-
-    with transaction.atomic(using=alias):
-        assert dialect.release_current(Ending("job", 2, "b", "t9", "SUCCESS", t9))[0]
-        thread = threading.Thread(target=duplicate)
-        thread.start()
-        wait_until_blocked(alias, thread)
-    thread.join(timeout=30)
-    assert outcome == [Completed("t1", 0)]
+    done = Ending("job", 2, "b", "t9", "SUCCESS", t9)
+    assert redelivered_while_completing(alias, portable, done) == Completed("t1", 0)
     assert Lease.objects.using(alias).get(key="job").token == 2
 
 
