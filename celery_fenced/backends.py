@@ -173,7 +173,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                     task_id, result, status, traceback, request, using
                 )
 
-            self._untokened(task_id, status, request, write)
+            # before the grant (track_started's STARTED): a database restart is waited
+            # through, as for a final outcome, not turned into the job's FAILURE
+            aliases = [store.database_alias(), router.db_for_write(self.TaskModel)]
+            self._through_outages(
+                task_id, aliases, lambda: self._untokened(task_id, status, request, write)
+            )
             return result
         if getattr(request, "_fenced_proven", None) is lease:
             self._write_row(task_id, result, status, traceback, request, using)

@@ -76,6 +76,12 @@ def make_app() -> Celery:
         _gate("seams.keyed", report_id)
         return f"{report_id}@{self.request.fencing_token}"
 
+    @app.task(
+        name="seams.tracked", bind=True, base=FencedTask, shared=False, track_started=True
+    )
+    def tracked(self: Any, value: str) -> str:
+        return f"{value}@{self.request.fencing_token}"
+
     @app.task(name="seams.conflict", bind=True, base=FencedTask, shared=False, lease_ttl=30)
     def conflict(self: Any, report_id: int) -> int:
         _gate("seams.conflict", report_id)
@@ -889,6 +895,21 @@ def test_connection_lost_before_the_result__success_settles_once_back(
     assert lease.released_at is not None
     kinds = set(LeaseEvent.objects.using(lease_db).values_list("kind", flat=True))
     assert not kinds & {"lost", "stale_write_rejected"}
+
+
+def test_connection_lost_before_the_started_state__the_job_still_runs(
+    broker: Broker, lease_db: str
+) -> None:
+    """``track_started``: Celery's tracer writes STARTED before the body, so before the
+    grant; a database restart then must not turn the job into a FAILURE (seen in the chaos
+    runner: the write is waited through like a result's)."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    app = broker.app
+    app.signature("seams.tracked", ("v",)).apply_async(task_id="tracked-1")
+    terminate_connection(lease_db)  # the server restarted under this process's connection
+    deliver(app, broker.one("seams.tracked"))
+    assert status(lease_db, "tracked-1") == ("SUCCESS", '"v@1"')
 
 
 def test_connection_lost_before_a_retry__the_retry_is_sent_not_a_failure(
