@@ -76,9 +76,7 @@ def make_app() -> Celery:
         _gate("seams.keyed", report_id)
         return f"{report_id}@{self.request.fencing_token}"
 
-    @app.task(
-        name="seams.tracked", bind=True, base=FencedTask, shared=False, track_started=True
-    )
+    @app.task(name="seams.tracked", bind=True, base=FencedTask, shared=False, track_started=True)
     def tracked(self: Any, value: str) -> str:
         return f"{value}@{self.request.fencing_token}"
 
