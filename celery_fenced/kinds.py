@@ -2,7 +2,7 @@
 
 One table, keyed by the model's enum (:class:`celery_fenced.models.LeaseEvent.Kind`); a
 test checks that every kind has its row here, its mark on the timeline where it has one,
-its signal where it has one, and its row in the docs (docs/admin.md).
+its signal, and its row in the docs (docs/admin.md).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class KindStyle:
     colour: str
     #: how the timeline draws it: the start or end of a grant's bar, a mark, or nothing
     timeline: str
-    #: the name of the signal (:mod:`celery_fenced.signals`) sent when it happens, or None
-    signal: str | None
+    #: the name of the signal (:mod:`celery_fenced.signals`) sent when it happens
+    signal: str
 
 
 KINDS: dict[LeaseEvent.Kind, KindStyle] = {
@@ -31,12 +31,12 @@ KINDS: dict[LeaseEvent.Kind, KindStyle] = {
     Kind.RECLAIMED: KindStyle("#c62828", "bar start, mark", "lease_acquired"),
     Kind.RELEASED: KindStyle("#6c7a89", "bar end", "lease_released"),
     Kind.LOST: KindStyle("#616161", "mark", "lease_lost"),
-    Kind.BUSY: KindStyle("#8d8d8d", "none", None),
+    Kind.BUSY: KindStyle("#8d8d8d", "none", "lease_busy"),
     Kind.STALE_WRITE_REJECTED: KindStyle("#ef6c00", "mark", "stale_write_rejected"),
     Kind.FORCE_RELEASED: KindStyle("#c62828", "bar end, mark", "lease_released"),
-    Kind.DUPLICATE: KindStyle("#6a4c93", "none", None),
-    Kind.RESENT: KindStyle("#1565c0", "none", None),
-    Kind.ABANDONED: KindStyle("#4e342e", "none", None),
+    Kind.DUPLICATE: KindStyle("#6a4c93", "none", "lease_duplicate"),
+    Kind.RESENT: KindStyle("#1565c0", "none", "lease_resent"),
+    Kind.ABANDONED: KindStyle("#4e342e", "none", "lease_abandoned"),
 }
 
 #: the colour of a kind this version does not know (an event written by a newer one)

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery import shared_task
 from kombu import serialization
 
+from celery_fenced import signals
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from celery import Celery, Task
     from celery.app.task import Context
+    from django.dispatch import Signal
 
     from celery_fenced import store
 
@@ -256,6 +259,10 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
             claim.key, claim.task_id, claim.task_name, claim.token, claim.attempts, action, reason
         )
 
+    def abandoned(reason: str) -> Reclaimed:
+        _signal(signals.lease_abandoned, claim, reason=reason)
+        return outcome("abandoned", reason)
+
     extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
     if claim.state == ReclaimState.ABANDONED:
         logger.error(
@@ -266,14 +273,14 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
             claim.attempts,
             extra=extra,
         )
-        return outcome("abandoned", "too many re-sends")
+        return abandoned("too many re-sends")
     try:
         job = decode_job(claim.job)
     except ValueError as exc:
         reason = f"unreadable job: {exc}"
         logger.error("lease %r abandoned: %s", claim.key, reason, extra=extra)
         store.abandon(alias, claim, reason)
-        return outcome("abandoned", reason)
+        return abandoned(reason)
     try:
         app.send_task(
             job.task,
@@ -316,7 +323,22 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
         max_attempts,
         extra=extra,
     )
+    _signal(signals.lease_resent, claim, attempt=claim.attempts)
     return outcome("resent")
+
+
+def _signal(signal: Signal, claim: store.Claim, **extra: Any) -> None:
+    from celery_fenced.models import Lease
+
+    signals.send(
+        signal,
+        Lease,
+        key=claim.key,
+        token=claim.token,
+        owner=claim.owner,
+        task_id=claim.task_id,
+        **extra,
+    )
 
 
 def _preview(

@@ -6,7 +6,16 @@ keyword arguments ``key``, ``token``, ``owner`` (and ``task_id`` where known):
 - ``lease_acquired`` — a grant was issued (``reclaimed_from`` names the expired holder);
 - ``lease_lost`` — a holder learned its grant is gone (``reason``);
 - ``lease_released`` — a holder ended its grant (``forced`` is True for force_release);
-- ``stale_write_rejected`` — a write under an old token was refused (``current``).
+- ``stale_write_rejected`` — a write under an old token was refused (``current``);
+- ``lease_busy`` — a grant was refused: another holds the key (``token`` and ``holder``
+  are the holder's, ``owner`` the requester's);
+- ``lease_duplicate`` — a delivery of a job that already completed was skipped
+  (``token`` None, ``retries``);
+- ``lease_resent`` — the reclaimer sent an expired, unfinished job again (``attempt``);
+- ``lease_abandoned`` — the reclaimer gave up on a job (``reason``).
+
+Every kind of lease event has its signal (``celery_fenced.kinds``), sent whatever
+``fenced_events`` records.
 
 A receiver that raises is logged (a warning naming the receiver, with its traceback) and
 ignored: it never stops the renewal of a lease nor changes a task's result.
@@ -21,9 +30,13 @@ from django.dispatch import Signal
 
 __all__ = [
     "Signal",
+    "lease_abandoned",
     "lease_acquired",
+    "lease_busy",
+    "lease_duplicate",
     "lease_lost",
     "lease_released",
+    "lease_resent",
     "send",
     "stale_write_rejected",
 ]
@@ -34,12 +47,20 @@ lease_acquired = Signal()
 lease_lost = Signal()
 lease_released = Signal()
 stale_write_rejected = Signal()
+lease_busy = Signal()
+lease_duplicate = Signal()
+lease_resent = Signal()
+lease_abandoned = Signal()
 
 _NAMES = {
     id(lease_acquired): "lease_acquired",
     id(lease_lost): "lease_lost",
     id(lease_released): "lease_released",
     id(stale_write_rejected): "stale_write_rejected",
+    id(lease_busy): "lease_busy",
+    id(lease_duplicate): "lease_duplicate",
+    id(lease_resent): "lease_resent",
+    id(lease_abandoned): "lease_abandoned",
 }
 
 

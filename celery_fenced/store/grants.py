@@ -66,6 +66,15 @@ def acquire(
     if isinstance(outcome, Completed):
         raise AlreadyCompleted(key, task_id, outcome.retries)
     if isinstance(outcome, Holder):
+        signals.send(
+            signals.lease_busy,
+            Lease,
+            key=key,
+            token=outcome.token,
+            owner=owner,
+            task_id=task_id,
+            holder=outcome.owner,
+        )
         raise LeaseBusy(
             key,
             holder=outcome.owner,
@@ -210,9 +219,19 @@ def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = 
 def record_duplicate(
     key: str, task_id: str, owner: str, detail: dict[str, Any], *, using: str | None = None
 ) -> None:
-    """The ``duplicate`` event of a delivery skipped because its job already completed."""
+    """The ``duplicate`` event (and signal) of a delivery skipped because its job
+    already completed."""
     dialects.for_alias(database_alias(using)).record_event(
         key, LeaseEvent.Kind.DUPLICATE, None, task_id, owner, detail
+    )
+    signals.send(
+        signals.lease_duplicate,
+        Lease,
+        key=key,
+        token=None,
+        owner=owner,
+        task_id=task_id,
+        retries=detail.get("retries"),
     )
 
 

@@ -502,3 +502,47 @@ def test_fenced_task__lease_reclaim_option_is_validated_at_definition() -> None:
         class Bad(FencedTask):
             name = "bad"
             lease_reclaim = "always"
+
+
+@db
+def test_reclaim__signals_each_resent_and_abandoned_job(alias: str, dialect: str) -> None:
+    from django.dispatch import Signal
+
+    from celery_fenced import signals
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    def listen(name: str) -> Any:
+        def receiver(sender: Any, signal: Signal, **kwargs: Any) -> None:
+            calls.append((name, kwargs))
+
+        return receiver
+
+    resent, abandoned = listen("resent"), listen("abandoned")
+    signals.lease_resent.connect(resent, weak=False)
+    signals.lease_abandoned.connect(abandoned, weak=False)
+    try:
+        grant(alias)
+        app, _ = recording_app(fenced_reclaim_max=1)
+        reclaim_expired(app, grace=0, using=alias)
+        job = row(alias).job  # the re-sent message runs, and expires unfinished again
+        acquire("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
+        expire(alias, "k")  # over the maximum now
+        reclaim_expired(app, grace=0, using=alias)
+    finally:
+        signals.lease_resent.disconnect(resent)
+        signals.lease_abandoned.disconnect(abandoned)
+    owner = calls[0][1]["owner"]
+    assert calls == [
+        ("resent", {"key": "k", "token": 1, "owner": owner, "task_id": "t1", "attempt": 1}),
+        (
+            "abandoned",
+            {
+                "key": "k",
+                "token": 2,
+                "owner": calls[1][1]["owner"],
+                "task_id": "t1",
+                "reason": "too many re-sends",
+            },
+        ),
+    ]

@@ -12,7 +12,7 @@ from celery import states
 from django.dispatch import Signal
 from django_celery_results.models import TaskResult
 
-from celery_fenced import FencedTask, acquire, force_release, signals
+from celery_fenced import FencedTask, LeaseBusy, acquire, force_release, signals
 from celery_fenced.models import Lease
 from celery_fenced.renewal import Renewer
 from tests.conftest import DATABASE_ALIASES
@@ -101,3 +101,68 @@ def test_send__logs_the_receiver_and_returns(
         in caplog.text
     )
     assert "stale_write_rejected" in caplog.text
+
+
+@pytest.fixture
+def received() -> Iterator[Callable[[Signal], list[dict[str, Any]]]]:
+    """Record what a signal is sent with; disconnected afterwards."""
+    connected: list[tuple[Signal, Any]] = []
+
+    def listen(signal: Signal) -> list[dict[str, Any]]:
+        calls: list[dict[str, Any]] = []
+
+        def receiver(sender: Any, **kwargs: Any) -> None:
+            kwargs.pop("signal")
+            calls.append({"sender": sender, **kwargs})
+
+        signal.connect(receiver, weak=False)
+        connected.append((signal, receiver))
+        return calls
+
+    yield listen
+    for signal, receiver in connected:
+        signal.disconnect(receiver)
+
+
+@db
+def test_lease_busy__sent_with_the_holder_and_the_refused(alias: str, received: Any) -> None:
+    calls = received(signals.lease_busy)
+    acquire("signals:busy", ttl=30, owner="holder", task_id="t-1", using=alias)
+    with pytest.raises(LeaseBusy):
+        acquire("signals:busy", ttl=30, owner="refused", task_id="t-2", using=alias)
+    assert calls == [
+        {
+            "sender": Lease,
+            "key": "signals:busy",
+            "token": 1,
+            "owner": "refused",
+            "task_id": "t-2",
+            "holder": "holder",
+        }
+    ]
+
+
+@db
+def test_lease_duplicate__sent_when_a_completed_job_comes_back(
+    lease_db: str, received: Any
+) -> None:
+    """Through Celery's tracer: the same message delivered again after its SUCCESS."""
+    calls = received(signals.lease_duplicate)
+    app = fenced_app("signals")
+
+    @app.task(name="signals.once", base=FencedTask, shared=False, lease_key="once:{n}")
+    def once(n: int) -> int:
+        return n
+
+    assert trace(once, "task-once", 5)[:2] == (5, None)
+    assert calls == []
+    trace(once, "task-once", 5)  # a redelivery of the same message
+    assert len(calls) == 1
+    assert {k: calls[0][k] for k in ("sender", "key", "token", "task_id", "retries")} == {
+        "sender": Lease,
+        "key": "once:5",
+        "token": None,
+        "task_id": "task-once",
+        "retries": 0,
+    }
+    assert TaskResult.objects.using(lease_db).get(task_id="task-once").status == states.SUCCESS

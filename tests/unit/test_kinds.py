@@ -10,7 +10,6 @@ import pytest
 from celery_fenced import kinds, signals, timeline
 from celery_fenced.models import LeaseEvent
 
-NONE = "\u2013"  # the docs' en dash: no signal
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "admin.md"
 
 
@@ -36,13 +35,13 @@ def test_kind__has_its_colour_timeline_signal_and_docs_row(kind: LeaseEvent.Kind
     if "mark" in style.timeline:
         assert kind.value in timeline.COLOURS
         assert kind.value in timeline.DRAW_ORDER
-    if style.signal is not None:
-        assert isinstance(getattr(signals, style.signal), signals.Signal)
+    assert isinstance(getattr(signals, style.signal), signals.Signal)  # every kind has one
+    assert style.signal in signals.__all__
     row = docs_rows().get(kind.value)
     assert row is not None, f"docs/admin.md has no row for {kind.value!r}"
     _, drawn, signal = row
     assert drawn == style.timeline
-    assert signal == (f"`{style.signal}`" if style.signal else NONE)
+    assert signal == f"`{style.signal}`"
 
 
 def test_timeline__draws_a_mark_for_each_kind_that_has_one() -> None:
