@@ -321,7 +321,14 @@ class FencedExecution:
         raise exc
 
     def _on_busy(self, busy: LeaseBusy, policy: str) -> NoReturn:
-        logger.info("task %s[%s]: %s (policy %s)", self.name, self.request.id, busy, policy)
+        logger.info(
+            "task %s[%s]: %s (policy %s)",
+            self.name,
+            self.request.id,
+            busy,
+            policy,
+            extra={"task_id": self.request.id, "lease_key": busy.key, "fencing_token": busy.token},
+        )
         if policy == "fail":
             raise busy
         if policy == "skip":

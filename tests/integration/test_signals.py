@@ -166,3 +166,31 @@ def test_lease_duplicate__sent_when_a_completed_job_comes_back(
         "retries": 0,
     }
     assert TaskResult.objects.using(lease_db).get(task_id="task-once").status == states.SUCCESS
+
+
+@db
+def test_busy__logged_with_the_key_the_holders_token_and_the_task_id(
+    lease_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through Celery's tracer: a delivery refused by a held key (``on_busy="skip"``)."""
+    app = fenced_app("signals")
+
+    @app.task(
+        name="signals.skipped",
+        base=FencedTask,
+        shared=False,
+        lease_key="held:{n}",
+        lease_on_busy="skip",
+    )
+    def skipped(n: int) -> int:
+        return n  # pragma: no cover - the key is held
+
+    acquire("held:3", ttl=30, owner="holder", using=lease_db)
+    with caplog.at_level(logging.INFO, logger="celery_fenced"):
+        trace(skipped, "task-skipped", 3)
+    (record,) = [r for r in caplog.records if "policy skip" in r.getMessage()]
+    assert (record.lease_key, record.fencing_token, record.task_id) == (  # type: ignore[attr-defined]
+        "held:3",
+        1,
+        "task-skipped",
+    )
