@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from collections.abc import Callable
@@ -10,11 +11,17 @@ from typing import Any
 from celery_fenced import conf, keys
 from celery_fenced.exceptions import FencedConfigurationError
 
+#: a fenced task's options, as class attributes (``@app.task(..., lease_ttl=30)``)
+OPTIONS = tuple(f"lease_{name}" for name in conf.TASK_OPTION_NAMES)
+#: options that a task would silently ignore without their ``lease_`` prefix
+UNPREFIXED = ("on_busy", "renew_interval")
+
 
 def validate_task_class(cls: type) -> None:
     """Check a task class's explicit lease options; errors name the task and option."""
     name = getattr(cls, "name", None) or cls.__name__
     where = f"task {name!r}"
+    _names_known(cls, where)
     ttl = cls.__dict__.get("lease_ttl")
     if ttl is not None:
         conf.validate_ttl(ttl, f"{where} option lease_ttl")
@@ -48,6 +55,24 @@ def validate_task_class(cls: type) -> None:
         elif inspect.isfunction(key):
             # a plain function in a class body would be bound as a method of the task
             cls.lease_key = staticmethod(key)  # type: ignore[attr-defined]
+
+
+def _names_known(cls: type, where: str) -> None:
+    """A misspelt option (``lease_tll``) or one without its prefix (``on_busy``) would be
+    an attribute Celery keeps and nothing reads: the task would run with the defaults."""
+    for attribute in cls.__dict__:
+        if attribute.startswith("lease_") and attribute not in OPTIONS:
+            close = difflib.get_close_matches(attribute, OPTIONS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise FencedConfigurationError(
+                f"{where} has an unknown option {attribute}{hint} "
+                f"(the options are {', '.join(OPTIONS)})"
+            )
+        if attribute in UNPREFIXED:
+            raise FencedConfigurationError(
+                f"{where} option {attribute} is not read: a fenced task's options start "
+                f"with lease_ (lease_{attribute})"
+            )
 
 
 def _without_self(func: Callable[..., Any]) -> Callable[..., Any]:

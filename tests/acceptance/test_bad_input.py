@@ -149,6 +149,12 @@ DEFINITIONS = [
         ["'bad.rebuild'", "names report", "not an argument", "report_id, part"],
     ),
     ({"lease_key": "report:{0}"}, ["must name arguments", "not use positional fields"]),
+    # a misspelt or unprefixed option would be kept by Celery and read by nobody
+    (
+        {"lease_tll": 30},
+        ["'bad.rebuild'", "unknown option lease_tll", "did you mean lease_ttl?", "lease_on_busy"],
+    ),
+    ({"on_busy": "skip"}, ["'bad.rebuild'", "option on_busy is not read", "(lease_on_busy)"]),
 ]
 
 
