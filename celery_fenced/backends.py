@@ -148,8 +148,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 if self._may_record_elsewhere(task_id, state, request):
                     self._untokened(task_id, state, request, drive)
 
-            aliases = [store.database_alias(), router.db_for_write(self.TaskModel)]
-            self._through_outages(task_id, aliases, attempt)
+            self._through_outages(task_id, self._untokened_aliases(), attempt)
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -175,9 +174,10 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
 
             # before the grant (track_started's STARTED): a database restart is waited
             # through, as for a final outcome, not turned into the job's FAILURE
-            aliases = [store.database_alias(), router.db_for_write(self.TaskModel)]
             self._through_outages(
-                task_id, aliases, lambda: self._untokened(task_id, status, request, write)
+                task_id,
+                self._untokened_aliases(),
+                lambda: self._untokened(task_id, status, request, write),
             )
             return result
         if getattr(request, "_fenced_proven", None) is lease:
@@ -226,6 +226,10 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             renewer().unregister(lease)
             lease.confirm_released()
         return proven
+
+    def _untokened_aliases(self) -> list[str]:
+        """The databases an untokened write touches: the leases' and the results'."""
+        return [store.database_alias(), router.db_for_write(self.TaskModel)]
 
     def _through_outages(self, task_id: str, aliases: list[str], attempt: Callable[[], T]) -> T:
         """``attempt()``, again after a pause while the database is away (0.5 to 8 s apart)."""

@@ -49,6 +49,18 @@ EVENTS_PER_PAGE = 50
 BULK_LIMIT = 1000  # leases force-released by one action
 
 
+#: the lease page's field groups: (title, fields)
+FIELD_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
+    (None, ("key", "state_badge", "token", "owner", "reclaimed_from")),
+    ("Task", ("task_name", "task_link")),
+    (
+        "Times (UTC, the database's clock)",
+        ("acquired", "last_renewed", "expires", "expires_in", "released", "release_state"),
+    ),
+    ("Reclaim", ("reclaim_state", "reclaim_attempts", "reclaim_claimed", "job")),
+)
+
+
 @admin.register(Lease)
 class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModelAdmin):
     list_display = (
@@ -72,46 +84,9 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     actions = ("force_release_selected",)
     change_form_template = "admin/celery_fenced/lease/change_form.html"
     change_list_template = CHANGE_LIST
-    fieldsets = (
-        (None, {"fields": ("key", "state_badge", "token", "owner", "reclaimed_from")}),
-        ("Task", {"fields": ("task_name", "task_link")}),
-        (
-            "Times (UTC, the database's clock)",
-            {
-                "fields": (
-                    "acquired",
-                    "last_renewed",
-                    "expires",
-                    "expires_in",
-                    "released",
-                    "release_state",
-                )
-            },
-        ),
-        (
-            "Reclaim",
-            {"fields": ("reclaim_state", "reclaim_attempts", "reclaim_claimed", "job")},
-        ),
-    )
-    readonly_fields = (
-        "key",
-        "state_badge",
-        "token",
-        "owner",
-        "reclaimed_from",
-        "task_name",
-        "task_link",
-        "acquired",
-        "last_renewed",
-        "expires",
-        "expires_in",
-        "released",
-        "release_state",
-        "reclaim_state",
-        "reclaim_attempts",
-        "reclaim_claimed",
-        "job",
-    )
+    fieldsets = tuple((title, {"fields": names}) for title, names in FIELD_GROUPS)
+    # every field shown is read-only: the admin changes nothing but by force release
+    readonly_fields = tuple(name for _, names in FIELD_GROUPS for name in names)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
         leases = paging.DrillDownQuerySet(self.model, using=operations.database_alias())
