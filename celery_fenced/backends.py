@@ -68,6 +68,16 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         store_result: bool = True,
         state: str = states.SUCCESS,
     ) -> None:
+        lease = lease_of(request)
+        if (
+            lease is not None
+            and store_result
+            and not getattr(request, "ignore_result", False)
+            and self._in_one_statement(task_id, state, request, lease)
+        ):
+            self._settle(task_id, result, state, request, lease, None)
+            return
+
         def drive() -> None:
             workflow.send_successors(self.app, task_id, request, result)
             super(FencedDatabaseBackend, self).mark_as_done(
@@ -75,6 +85,23 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             )
 
         self._report(task_id, result, state, request, drive)
+
+    def _in_one_statement(self, task_id: str, state: str, request: Any, lease: HeldLease) -> bool:
+        """Whether this success is settled by one statement: proof, release and result row.
+
+        Only when it drives nothing (no callback, chain step or chord to count), its
+        result row lives in the lease database, that database can (PostgreSQL) and no
+        transaction is open around it; otherwise it is one transaction, as for the rest.
+        """
+        return (
+            state == states.SUCCESS
+            and task_id == lease.task_id
+            and not getattr(request, "chord", None)
+            and not getattr(request, workflow.HELD, None)
+            and router.db_for_write(self.TaskModel) == lease.alias
+            and not connections[lease.alias].in_atomic_block
+            and store.writes_result_in_release(lease.alias)
+        )
 
     def mark_as_failure(
         self,
@@ -197,19 +224,23 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         status: str,
         request: Any,
         lease: HeldLease,
-        then: Callable[[], None],
+        then: Callable[[], None] | None,
     ) -> bool:
         """Prove ``lease`` current (and release it, for a final state), then run ``then``.
 
         One transaction: the lease row first, then the task id's result lock, then what
         ``then`` writes and sends. Refused: nothing of ``then`` happens, and the refusal
-        is recorded (R2). Returns whether it was proven.
+        is recorded (R2). Returns whether it was proven. Without ``then``, one statement
+        proves, releases and writes the result row (see :meth:`_in_one_statement`).
         """
         releasing = status in RELEASING_STATES
 
         def attempt() -> bool:
             try:
-                self._prove_then(task_id, status, request, lease, releasing, then)
+                if then is None:
+                    self._prove_and_write(task_id, result, status, request, lease)
+                else:
+                    self._prove_then(task_id, status, request, lease, releasing, then)
             except store.Refused as refused:
                 if refused.current == lease.token and self._settled_by(task_id, lease):
                     return True  # a commit whose answer was lost with the connection
@@ -273,6 +304,56 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                     "database error inside its transaction was swallowed"
                 )
 
+    def _prove_and_write(
+        self, task_id: str, result: Any, status: str, request: Any, lease: HeldLease
+    ) -> None:
+        """The success of :meth:`_in_one_statement`: one statement, or :class:`store.Refused`."""
+        meta = {"fencing_token": lease.token, "lease_key": lease.key}
+        fields = self._row_fields(
+            task_id, self.encode_result(result, status), status, None, request, meta
+        )
+        model = self.TaskModel
+        row = model(task_id=task_id, **fields)
+        connection = connections[lease.alias]
+        values = [
+            field.get_db_prep_save(field.pre_save(row, add=True), connection)
+            for field in map(model._meta.get_field, store.RESULT_COLUMNS)
+        ]
+        ok, current = store.release_with_result(lease, status, values)
+        if not ok:
+            raise store.Refused(current)
+        request.meta = {**(getattr(request, "meta", None) or {}), **meta}
+
+    def _row_fields(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        traceback: Any,
+        request: Any,
+        meta: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The result row's fields as ``DatabaseBackend._store_result`` computes them.
+
+        ``meta``: added to the request's ``meta`` for this row.
+        """
+        content_type, content_encoding, encoded = self.encode_content(result)
+        row_meta = {
+            **self._get_meta_from_request(request),
+            **(meta or {}),
+            "children": self.current_task_children(request),
+        }
+        _, _, encoded_meta = self.encode_content(row_meta)
+        return {
+            "content_encoding": content_encoding,
+            "content_type": content_type,
+            "meta": encoded_meta,
+            "result": encoded,
+            "status": status,
+            "traceback": traceback,
+            **self._get_extended_properties(request, traceback),
+        }
+
     def _write_row(
         self, task_id: str, result: Any, status: str, traceback: Any, request: Any, using: Any
     ) -> None:
@@ -286,21 +367,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         without that clause, or a ``STARTED`` write (its start time is the database's
         ``Now()``), goes through the manager as ``DatabaseBackend`` does.
         """
-        content_type, content_encoding, encoded = self.encode_content(result)
-        meta = {
-            **self._get_meta_from_request(request),
-            "children": self.current_task_children(request),
-        }
-        _, _, encoded_meta = self.encode_content(meta)
-        fields = {
-            "content_encoding": content_encoding,
-            "content_type": content_type,
-            "meta": encoded_meta,
-            "result": encoded,
-            "status": status,
-            "traceback": traceback,
-            **self._get_extended_properties(request, traceback),
-        }
+        fields = self._row_fields(task_id, result, status, traceback, request)
         model = self.TaskModel
         alias = using or router.db_for_write(model)
         if status == states.STARTED or not (

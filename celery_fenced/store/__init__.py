@@ -15,7 +15,7 @@ Usable without Celery::
 
 from __future__ import annotations
 
-from celery_fenced.store.dialects.records import REPLACED, Claim, Delivery
+from celery_fenced.store.dialects.records import REPLACED, RESULT_COLUMNS, Claim, Delivery
 from celery_fenced.store.fenced import (
     Refused,
     fenced_transaction,
@@ -24,7 +24,9 @@ from celery_fenced.store.fenced import (
     lock_for_result,
     prove_for_result,
     reject_stale,
+    release_with_result,
     time_limited,
+    writes_result_in_release,
 )
 from celery_fenced.store.grants import (
     acquire,
@@ -56,6 +58,7 @@ from celery_fenced.store.validation import (
 
 __all__ = [
     "REPLACED",
+    "RESULT_COLUMNS",
     "UNRENEWED",
     "Claim",
     "Delivery",
@@ -83,6 +86,7 @@ __all__ = [
     "record_duplicate",
     "record_resent",
     "reject_stale",
+    "release_with_result",
     "renew_many",
     "settle_elsewhere",
     "time_limited",
@@ -90,4 +94,5 @@ __all__ = [
     "validate_key",
     "validate_owner",
     "validate_ttl",
+    "writes_result_in_release",
 ]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 
@@ -14,6 +14,7 @@ from celery_fenced.context import _guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
+from celery_fenced.store.dialects.records import RESULT_ROW_KNOWN
 from celery_fenced.store.validation import database_alias
 
 if TYPE_CHECKING:
@@ -187,6 +188,23 @@ def prove_for_result(
     if ok and (not releasing or task_id != lease.task_id):
         dialect.lock_for_result(task_id)  # release_current took lease.task_id's
     return ok, current
+
+
+def writes_result_in_release(alias: str) -> bool:
+    """Whether a success's result row can be written by the statement that releases."""
+    return RESULT_ROW_KNOWN and dialects.for_alias(alias).RELEASES_WITH_RESULT
+
+
+def release_with_result(
+    lease: HeldLease, status: str, row: Sequence[Any]
+) -> tuple[bool, int | None]:
+    """Prove ``lease`` current, release it in ``status`` and write its task's result row.
+
+    One statement (see :func:`writes_result_in_release`); ``row`` holds the values of
+    :data:`~celery_fenced.store.dialects.records.RESULT_COLUMNS`. Returns ``(ok, the key's
+    current token)``; refused, nothing is written.
+    """
+    return dialects.for_alias(lease.alias).release_with_result(lease.ending(status), row)
 
 
 def lock_for_result(alias: str, task_id: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -10,7 +11,7 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from celery import states
 from celery.app.task import Context
-from django.db import connections
+from django.db import connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_celery_results.backends.database import DatabaseBackend
@@ -19,6 +20,7 @@ from django_celery_results.models import TaskResult
 from celery_fenced import acquire
 from celery_fenced.backends import FencedDatabaseBackend
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store import Delivery
 from testproject.celery import app
 from tests import routers
 from tests.conftest import DATABASE_ALIASES
@@ -115,6 +117,59 @@ def test_fenced_result__row_as_database_backend_writes_it(
         assert (stored.date_created,) == created["fenced"]
         assert stored.date_started is not None
     assert stored.date_done >= stored.date_created
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new row", "over a row"])
+@pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "in a transaction"])
+def test_fenced_success__proven_released_and_stored_in_one_statement(
+    routed: str, existing: bool, outer: bool
+) -> None:
+    """A success that drives nothing: on PostgreSQL the releasing statement writes the row.
+
+    The row is what ``DatabaseBackend.mark_as_done`` writes (token aside), the grant is
+    released and its job marked completed; inside a transaction the caller opened, or on
+    SQLite, the proof and the row are two statements of one transaction instead.
+    """
+    app.conf.result_extended = True
+    plain, fenced = DatabaseBackend(app=app), FencedDatabaseBackend(app=app)
+    delivery = Delivery("fenced", "d" * 32, 0)
+    lease = acquire("job", ttl=30, task_id="fenced", using=routed, delivery=delivery)
+    if existing:
+        plain.store_result("plain", {"pid": 1}, states.STARTED, request=request_for("plain"))
+        fenced.store_result("fenced", {"pid": 1}, states.STARTED, request=request_for("fenced"))
+    plain.mark_as_done("plain", {"answer": 42}, request=request_for("plain"))
+    with contextlib.ExitStack() as stack:
+        if outer:
+            stack.enter_context(transaction.atomic(using=routed))
+        with CaptureQueriesContext(connections[routed]) as queries:
+            fenced.mark_as_done("fenced", {"answer": 42}, request=request_for("fenced", lease))
+    written, expected = row(routed, "fenced"), row(routed, "plain")
+    meta = json.loads(written.pop("meta"))
+    assert (meta.pop("fencing_token"), meta.pop("lease_key")) == (lease.token, "job")
+    assert meta == json.loads(expected.pop("meta"))
+    assert written == expected
+    stored = TaskResult.objects.using(routed).get(task_id="fenced")
+    assert (stored.date_started is not None) == existing
+    held = Lease.objects.using(routed).get(key="job")
+    assert (held.released_at is not None, held.release_state) == (True, states.SUCCESS)
+    assert held.completed_digest == delivery.digest
+    assert lease.released
+    statements = [
+        q["sql"]
+        for q in queries.captured_queries
+        if not q["sql"].startswith(("SAVEPOINT", "RELEASE SAVEPOINT", "BEGIN", "COMMIT"))
+    ]
+    both = [
+        sql
+        for sql in statements
+        if "UPDATE celery_fenced_lease" in sql and "django_celery_results_taskresult" in sql
+    ]
+    if connections[routed].vendor == "postgresql" and not outer:
+        assert statements == both, statements
+        assert len(both) == 1
+    else:
+        assert not both
+        assert len(statements) >= 2
 
 
 def test_fenced_result__written_with_token_and_released_in_one_transaction(routed: str) -> None:

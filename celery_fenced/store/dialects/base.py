@@ -85,6 +85,20 @@ class Dialect(abc.ABC):
         lock (:meth:`lock_for_result`).
         """
 
+    #: whether :meth:`release_with_result` is available (one statement)
+    RELEASES_WITH_RESULT = False
+
+    def release_with_result(self, ending: Ending, row: Sequence[Any]) -> tuple[bool, int | None]:
+        """:meth:`release_current` and the task's result row, in one statement.
+
+        ``row``: the values of :data:`~celery_fenced.store.dialects.records.RESULT_COLUMNS`.
+        The row is written (inserted, or over the task id's row) only when the release
+        holds, under the task id's result lock. Outside a transaction the statement is
+        its own: one round trip proves, releases, marks the job completed and stores its
+        result. Only where :attr:`RELEASES_WITH_RESULT`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} writes the result apart")
+
     @abc.abstractmethod
     def lock_for_result(self, task_id: str) -> None:
         """Serialize the result writes of ``task_id`` until the transaction ends.

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
     LEASE,
+    RESULT,
+    RESULT_COLUMNS,
     SQL_ABANDONED,
     SQL_ACQUIRED,
     SQL_BUSY,
     SQL_FORCE_RELEASED,
     SQL_RECLAIMED,
     SQL_RELEASED,
+    SQL_RESULT_COLUMNS,
+    SQL_RESULT_UPDATE,
     SQL_STATE_ABANDONED,
     TOO_MANY,
     Claim,
@@ -28,6 +33,9 @@ from celery_fenced.store.dialects.records import (
     released_detail,
 )
 from celery_fenced.store.dialects.sql import SQLDialect
+
+#: the values of a result row written by the releasing statement
+RESULT_WIDTH = len(RESULT_COLUMNS)
 
 
 def result_lock(task_id: str) -> str:
@@ -198,8 +206,25 @@ class PostgreSQL(SQLDialect):
             return True, ending.token
         return False, self._current_token(ending.key)
 
+    RELEASES_WITH_RESULT = True
+
+    def release_with_result(self, ending: Ending, row: Sequence[Any]) -> tuple[bool, int | None]:
+        """:meth:`release_current` with an ``INSERT … ON CONFLICT`` of the result in its CTE.
+
+        The insert reads the result lock's row, which exists only when the release held:
+        refused, nothing is written.
+        """
+        if self._release(ending, holder_only=False, lock_result=True, result=row):
+            return True, ending.token
+        return False, self._current_token(ending.key)
+
     def _release(
-        self, ending: Ending, *, holder_only: bool, lock_result: bool
+        self,
+        ending: Ending,
+        *,
+        holder_only: bool,
+        lock_result: bool,
+        result: Sequence[Any] | None = None,
     ) -> list[tuple[Any, ...]]:
         """The releasing ``UPDATE`` with what goes with it: the rows released.
 
@@ -208,7 +233,8 @@ class PostgreSQL(SQLDialect):
         A completing release moves the row's previous completion marker, if another
         job's, to the ``Completion`` table (read from the snapshot: only this grant's
         release changes the marker, and this grant is held). The ``released`` event is
-        written with routine events only.
+        written with routine events only. ``result`` (with ``lock_result``): the values of
+        the task's result row, written under the result lock (:meth:`release_with_result`).
         """
         state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
@@ -233,6 +259,14 @@ class PostgreSQL(SQLDialect):
             if lock_result
             else ""
         )
+        write = (
+            f""", res AS (
+                    INSERT INTO {RESULT} ({SQL_RESULT_COLUMNS})
+                    SELECT {", ".join(["%s"] * RESULT_WIDTH)} FROM lk
+                    ON CONFLICT (task_id) DO UPDATE SET {SQL_RESULT_UPDATE})"""
+            if lock_result and result is not None
+            else ""
+        )
         return self._fetch(
             f"""WITH {old} r AS (
                     UPDATE {LEASE} SET {self._release_set()} {completion}
@@ -241,7 +275,7 @@ class PostgreSQL(SQLDialect):
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r WHERE %s){lock}
+                    FROM r WHERE %s){lock}{write}
                 SELECT r.token FROM r{", lk" if lock_result else ""}""",
             [
                 *([ending.key] if marker else []),
@@ -256,6 +290,7 @@ class PostgreSQL(SQLDialect):
                 json.dumps(released_detail(state, delivery)),
                 ending.routine_events,
                 *([result_lock(ending.task_id)] if lock_result else []),
+                *(result if lock_result and result is not None else []),
             ],
         )
 

@@ -17,6 +17,55 @@ EVENT = LeaseEvent._meta.db_table
 COMPLETION = Completion._meta.db_table
 RESULT = TaskResult._meta.db_table
 
+#: django-celery-results' result row as a fenced success writes it in the statement that
+#: releases the lease (PostgreSQL): every column but the id, in this order
+RESULT_COLUMNS = (
+    "task_id",
+    "periodic_task_name",
+    "task_name",
+    "task_args",
+    "task_kwargs",
+    "status",
+    "worker",
+    "content_type",
+    "content_encoding",
+    "result",
+    "date_created",
+    "date_started",
+    "date_done",
+    "traceback",
+    "meta",
+)
+#: the same columns as SQL text (the statements are built from fixed text only), and what
+#: a write over an existing row changes: what ``DatabaseBackend`` writes, not the row's
+#: creation or start time
+SQL_RESULT_COLUMNS = (
+    "task_id, periodic_task_name, task_name, task_args, task_kwargs, status, worker, "
+    "content_type, content_encoding, result, date_created, date_started, date_done, "
+    "traceback, meta"
+)
+SQL_RESULT_UPDATE = (
+    "periodic_task_name = EXCLUDED.periodic_task_name, task_name = EXCLUDED.task_name, "
+    "task_args = EXCLUDED.task_args, task_kwargs = EXCLUDED.task_kwargs, "
+    "status = EXCLUDED.status, worker = EXCLUDED.worker, "
+    "content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding, "
+    "result = EXCLUDED.result, date_done = EXCLUDED.date_done, "
+    "traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"
+)
+
+
+def _result_row_is_known() -> bool:
+    """Whether the installed ``TaskResult`` has exactly :data:`RESULT_COLUMNS`, by name."""
+    fields = [f for f in TaskResult._meta.concrete_fields if not f.primary_key]
+    columns = [f.column for f in fields]
+    return columns == [f.name for f in fields] and sorted(map(str, columns)) == sorted(
+        RESULT_COLUMNS
+    )
+
+
+#: another version of the model (a column added or renamed) is written the general way
+RESULT_ROW_KNOWN = _result_row_is_known()
+
 
 #: the event kinds and reclaim states the SQL dialects write, as SQL literals: written out
 #: (the SQL checker of tests/acceptance/test_security.py accepts only fixed text), and checked
