@@ -95,6 +95,7 @@ def acquire(
         delivery=delivery,
         confirmed_at=sent,
         routine_events=routine,
+        row_marker=outcome.marker,
     )
     signals.send(
         signals.lease_acquired,

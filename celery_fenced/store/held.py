@@ -42,6 +42,7 @@ class HeldLease:
         delivery: Delivery | None = None,
         confirmed_at: float | None = None,
         routine_events: bool = False,
+        row_marker: str | None = None,
     ) -> None:
         self.key = key
         self.token = token
@@ -55,6 +56,9 @@ class HeldLease:
         self.delivery = delivery
         #: its release is recorded as a ``released`` event (``fenced_events="all"``)
         self.routine_events = routine_events
+        #: the lease row's completion marker when granted (None: not known); only this
+        #: grant's release can change it while the grant is held
+        self.row_marker = row_marker
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
         self._lost_reason: str | None = None
@@ -122,14 +126,16 @@ class HeldLease:
 
     def ending(self, state: str) -> Ending:
         """The end of this grant in ``state``, as the store's release statements take it."""
+        marker, delivery = self.row_marker, self.delivery
         return Ending(
             self.key,
             self.token,
             self.owner,
             self.task_id,
             state,
-            self.delivery,
+            delivery,
             self.routine_events,
+            None if marker is None or delivery is None else marker not in ("", delivery.digest),
         )
 
     def release(self, *, state: str = "") -> bool:

@@ -19,7 +19,7 @@ from celery_fenced import (
     force_release,
 )
 from celery_fenced import signals as fenced_signals
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Completion, Lease, LeaseEvent
 from celery_fenced.store.dialects import (
     Completed,
     Delivery,
@@ -636,10 +636,52 @@ def test_acquire__store_raises_already_completed_and_marks_the_lease_row(alias: 
     )
 
 
-def test_statements__grant_with_duplicate_check_is_one_statement_on_postgres() -> None:
+def test_statements__routine_grant_and_release_leave_the_event_table_alone_on_postgres() -> None:
+    """A new key, then a released one: one statement each, which checks for a completed
+    duplicate but does not open the event table. The first release has no other job's
+    marker to move (known from the grant); the second moves the first job's, and both
+    jobs' redeliveries are still refused."""
+    from celery_fenced.exceptions import AlreadyCompleted
+
     connection = connections["postgres"]
-    with CaptureQueriesContext(connection) as queries:
-        acquire("k", ttl=30, task_id="t1", delivery=delivery(), using="postgres")
-    statements = data_statements(queries)
-    assert len(statements) == 1
-    assert "NOT EXISTS" in statements[0]
+    for task_id in ("t1", "t2"):
+        with CaptureQueriesContext(connection) as queries:
+            lease = acquire(
+                "k",
+                ttl=30,
+                task_id=task_id,
+                delivery=delivery(task_id, 0, task_id),
+                using="postgres",
+            )
+        (grant,) = data_statements(queries)
+        assert "NOT EXISTS" in grant  # the duplicate check
+        assert LeaseEvent._meta.db_table not in grant
+        with CaptureQueriesContext(connection) as queries:
+            assert lease.release(state="SUCCESS")
+        (release,) = data_statements(queries)
+        assert LeaseEvent._meta.db_table not in release
+        # t2's release moves t1's marker to the Completion table; t1's had none to move
+        assert (Completion._meta.db_table in release) == (task_id == "t2")
+    assert list(Completion.objects.using("postgres").values_list("digest", flat=True)) == ["t1"]
+    for task_id in ("t1", "t2"):
+        with pytest.raises(AlreadyCompleted):
+            acquire(
+                "k",
+                ttl=30,
+                task_id=task_id,
+                delivery=delivery(task_id, 0, task_id),
+                using="postgres",
+            )
+
+
+def test_statements__takeover_is_granted_by_the_full_statement_with_its_event_on_postgres() -> (
+    None
+):
+    first = acquire("k", ttl=30, task_id="t1", using="postgres")
+    Lease.objects.using("postgres").filter(key="k").update(expires_at=F("acquired_at"))
+    with CaptureQueriesContext(connections["postgres"]) as queries:
+        second = acquire("k", ttl=30, task_id="t2", using="postgres")
+    assert len(data_statements(queries)) == 2  # the routine grant refused a takeover
+    assert second.reclaimed_from == first.owner
+    event = LeaseEvent.objects.using("postgres").get(kind="reclaimed")
+    assert (event.token, event.detail["previous_token"]) == (second.token, first.token)

@@ -106,6 +106,9 @@ class PostgreSQL(SQLDialect):
             request.task_id,
             request.delivery,
         )
+        granted = self._routine_grant(request)
+        if granted is not None:
+            return granted
         unless_completed, params = self._grant_params(request)
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
         # a takeover is always recorded; with routine events every grant is. The
@@ -124,12 +127,11 @@ class PostgreSQL(SQLDialect):
                                'previous_acquired_at',
                                (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
                     FROM granted WHERE reclaimed_from <> '' OR %s)
-                SELECT id, token, expires_at, reclaimed_from FROM granted""",
+                SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
             [*params, task_id, owner, key, request.routine_events],
         )
         if rows:
-            lease_id, token, expires_at, reclaimed_from = rows[0]
-            return Grant(lease_id, token, aware(expires_at), reclaimed_from)
+            return _grant(rows[0])
         # not granted (rare): a completed duplicate, or the key is held
         if (
             delivery is not None
@@ -148,6 +150,33 @@ class PostgreSQL(SQLDialect):
             [key, task_id, owner],
         )
         return holder_of(rows)
+
+    def _routine_grant(self, request: GrantRequest) -> Grant | None:
+        """The grant of a new or released key: the upsert alone, without the takeover's event.
+
+        It is most grants, and the cheaper statement: the event table is not opened
+        (planning work, most of it on a new connection: Celery opens one per task by
+        default). None: not granted here — a takeover, a held key, a duplicate — and the
+        full statement decides. With routine events its ``acquired`` event is written by
+        the same statement.
+        """
+        unless_completed, params = self._grant_params(request)
+        grant = self._upsert(unless_completed, routine=True)
+        if request.routine_events:
+            rows = self._fetch(
+                f"""WITH granted AS ({grant}),
+                    ev AS (
+                        INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                        SELECT id, {SQL_ACQUIRED}, token, %s, %s, statement_timestamp(),
+                               '{{}}'::jsonb
+                        FROM granted)
+                    SELECT id, token, expires_at, reclaimed_from, completed_digest
+                    FROM granted""",
+                [*params, request.task_id, request.owner],
+            )
+        else:
+            rows = self._fetch(grant, params)
+        return _grant(rows[0]) if rows else None
 
     def release(self, ending: Ending) -> bool:
         return bool(self._release(ending, holder_only=True, lock_result=False))
@@ -240,10 +269,12 @@ class PostgreSQL(SQLDialect):
         marker = self._completion_params(state, delivery)
         by_owner = "AND owner = %s" if holder_only else ""
         completion = self._completion_set() if marker else ""
+        # known from the grant: the row holds no other job's marker, nothing to move
+        move = bool(marker) and ending.displaces is not False
         old = (
             f"""old AS (SELECT completed_digest, completed_retries, completed_at
                         FROM {LEASE} WHERE key = %s),"""
-            if marker
+            if move
             else ""
         )
         moved = (
@@ -251,7 +282,15 @@ class PostgreSQL(SQLDialect):
                     INSERT INTO {COMPLETION} (digest, retries, completed_at)
                     SELECT o.completed_digest, o.completed_retries, o.completed_at
                     FROM old o, r WHERE o.completed_digest NOT IN ('', %s))"""
-            if marker
+            if move
+            else ""
+        )
+        event = (
+            f""", ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
+                    FROM r)"""
+            if ending.routine_events
             else ""
         )
         lock = (
@@ -271,24 +310,21 @@ class PostgreSQL(SQLDialect):
             f"""WITH {old} r AS (
                     UPDATE {LEASE} SET {self._release_set()} {completion}
                     WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
-                    RETURNING id, token){moved},
-                ev AS (
-                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, {SQL_RELEASED}, token, %s, %s, statement_timestamp(), %s::jsonb
-                    FROM r WHERE %s){lock}{write}
+                    RETURNING id, token){moved}{event}{lock}{write}
                 SELECT r.token FROM r{", lk" if lock_result else ""}""",
             [
-                *([ending.key] if marker else []),
+                *([ending.key] if move else []),
                 state[:16],
                 *marker,
                 ending.key,
                 ending.token,
                 *([ending.owner] if holder_only else []),
-                *marker[:1],
-                ending.task_id,
-                ending.owner,
-                json.dumps(released_detail(state, delivery)),
-                ending.routine_events,
+                *(marker[:1] if move else []),
+                *(
+                    [ending.task_id, ending.owner, json.dumps(released_detail(state, delivery))]
+                    if ending.routine_events
+                    else []
+                ),
                 *([result_lock(ending.task_id)] if lock_result else []),
                 *(result if lock_result and result is not None else []),
             ],
@@ -309,3 +345,8 @@ class PostgreSQL(SQLDialect):
 
     def _unchanged_params(self, key: str) -> list[Any]:
         return [key]
+
+
+def _grant(row: tuple[Any, ...]) -> Grant:
+    lease_id, token, expires_at, reclaimed_from, marker = row
+    return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker)

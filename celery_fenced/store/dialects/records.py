@@ -86,6 +86,8 @@ class Grant:
     token: int
     expires_at: dt.datetime
     reclaimed_from: str
+    #: the row's completion marker as the grant left it (None: not read)
+    marker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,9 @@ class Ending:
     delivery: Delivery | None = None
     #: record a ``released`` event (``fenced_events="all"``)
     routine_events: bool = False
+    #: whether the row holds another job's completion marker, which a completing release
+    #: moves to the ``Completion`` table (None: not known, the statement finds out)
+    displaces: bool | None = None
 
 
 #: the release state of an execution that replaced itself (``Task.replace``): the

@@ -41,7 +41,7 @@ class SQLDialect(PortableOperations):
     def now(self) -> dt.datetime:
         return aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
 
-    def _upsert(self, unless_completed: bool = False) -> str:
+    def _upsert(self, unless_completed: bool = False, *, routine: bool = False) -> str:
         """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
 
         Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
@@ -51,6 +51,10 @@ class SQLDialect(PortableOperations):
         which PostgreSQL evaluates on the row's latest version under its lock: a
         completion committing while this statement waits for the row is seen (a subquery
         reads the statement's snapshot: see :meth:`_unchanged_sql`).
+
+        ``routine``: the grant of the common case — a new key, or one its last holder
+        released — without what a takeover needs; it grants nothing otherwise (a takeover,
+        a held key, a duplicate: then the full statement decides).
         """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
@@ -66,6 +70,11 @@ class SQLDialect(PortableOperations):
         )
         unmarked = (
             f"AND NOT {self._marked_sql('l')} {self._unchanged_sql()}" if unless_completed else ""
+        )
+        free = (
+            "l.released_at IS NOT NULL"
+            if routine
+            else f"(l.released_at IS NOT NULL OR l.expires_at <= {now})"
         )
         return f"""
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
@@ -83,8 +92,8 @@ class SQLDialect(PortableOperations):
                 reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
                 reclaim_state = '',
                 reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
-            WHERE (l.released_at IS NOT NULL OR l.expires_at <= {now}) {unmarked}
-            RETURNING id, token, expires_at, reclaimed_from"""
+            WHERE {free} {unmarked}
+            RETURNING id, token, expires_at, reclaimed_from, completed_digest"""
 
     def _completed_sql(self) -> str:
         """The ``Completion`` rows that make a delivery a completed duplicate.

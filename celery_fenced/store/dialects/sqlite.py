@@ -99,7 +99,7 @@ class SQLite(SQLDialect):
             grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
             rows = self._fetch(grant, params)
             if rows:
-                lease_id, token, expires_at, reclaimed_from = rows[0]
+                lease_id, token, expires_at, reclaimed_from, marker = rows[0]
                 if reclaimed_from:
                     detail = {
                         "previous_owner": reclaimed_from,
@@ -109,7 +109,7 @@ class SQLite(SQLDialect):
                     self._insert_event(lease_id, Kind.RECLAIMED, token, task_id, owner, detail)
                 elif request.routine_events:
                     self._insert_event(lease_id, Kind.ACQUIRED, token, task_id, owner, {})
-                return Grant(lease_id, token, aware(expires_at), reclaimed_from)
+                return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker)
             if (
                 delivery is not None
                 and unless_completed
@@ -203,7 +203,7 @@ class SQLite(SQLDialect):
         by_owner = "AND owner = %s" if holder_only else ""
         completion = self._completion_set() if marker else ""
         holder = [ending.key, ending.token, *([ending.owner] if holder_only else [])]
-        if marker:
+        if marker and ending.displaces is not False:
             # first (a write: the write lock from the first statement), under the
             # release's own conditions: the marker this release is about to replace
             self._fetch(
