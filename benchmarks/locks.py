@@ -241,11 +241,16 @@ class Cycles:
     def raw_pg(self, n: int) -> bool:
         values: dict[str, Any] = {"key": f"cycle:{n}", "owner": self.owner}
         cur = self.pg_conn.cursor()
-        grant, params = self.pg["grant"][0]
-        rows = cur.execute(grant, fill(params, values)).fetchall()
-        if not rows:
-            for sql, params in self.pg["busy"][1:]:
-                cur.execute(sql, fill(params, values)).fetchall()
+        # what the store sends for a busy key: its grant statements in turn (each may
+        # grant: the key can be freed meanwhile), then the holder's busy record
+        *grants, holder = self.pg["busy"]
+        for sql, params in grants:
+            rows = cur.execute(sql, fill(params, values)).fetchall()
+            if rows:
+                break
+        else:
+            sql, params = holder
+            cur.execute(sql, fill(params, values)).fetchall()
             return False
         values["token"] = rows[0][1]
         for sql, params in self.pg["release"]:
@@ -453,6 +458,9 @@ def run(ctx: Context) -> list[Line]:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+    stuck = sorted("/".join(map(str, k)) for k, v in measured.items() if not all(v))
+    if stuck:  # a key left held (a variant that grants and does not release) stalls the rest
+        raise RuntimeError(f"a round of these completed no lock cycle: {', '.join(stuck)}")
     ctx.data["cycles"] = {"/".join(map(str, k)): v for k, v in measured.items()}
     ctx.data["busy_attempts"] = {"/".join(map(str, k)): v for k, v in busy.items()}
     return _lines(profile, measured)
