@@ -161,7 +161,11 @@ class PostgreSQL(SQLDialect):
         the same statement.
         """
         unless_completed, params = self._grant_params(request)
-        grant = self._upsert(unless_completed, routine=True)
+        grant = (
+            self._upsert(unless_completed=True, routine=True)
+            if unless_completed
+            else self._upsert(routine=True)
+        )
         if request.routine_events:
             rows = self._fetch(
                 f"""WITH granted AS ({grant}),
