@@ -39,6 +39,7 @@ from django.db import (
 )
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
+from django_celery_results.models import TaskResult
 
 from celery_fenced import outages, store, workflow
 from celery_fenced.exceptions import StaleToken
@@ -90,11 +91,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         """Whether this success is settled by one statement: proof, release and result row.
 
         Only when it drives nothing (no callback, chain step or chord to count), its
-        result row lives in the lease database, that database can (PostgreSQL) and no
-        transaction is open around it; otherwise it is one transaction, as for the rest.
+        result row is django-celery-results' own (not a subclass's ``TaskModel``) and
+        lives in the lease database, that database can (PostgreSQL) and no transaction is
+        open around it; otherwise it is one transaction, as for the rest.
         """
         return (
             state == states.SUCCESS
+            and self.TaskModel is TaskResult
             and task_id == lease.task_id
             and not getattr(request, "chord", None)
             and not getattr(request, workflow.HELD, None)
