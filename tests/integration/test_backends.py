@@ -390,3 +390,33 @@ def test_main_process_report__recorded_through_a_dropped_connection(routed: str)
     report(states.FAILURE, "t1", main_process_request("t1", 100))
     assert TaskResult.objects.using(routed).get(task_id="t1").status == states.FAILURE
     assert Lease.objects.using(routed).get(key="job").released_at is not None
+
+
+def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -> None:
+    """psycopg's server-side binding (Django's opt-in OPTIONS) sends the row's values as
+    typed parameters of ``INSERT … SELECT``: they still land in their columns."""
+    routers.TARGET = "postgres"
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    connection = connections["postgres"]
+    options = connection.settings_dict.setdefault("OPTIONS", {})
+    connection.close()
+    options["server_side_binding"] = True
+    try:
+        app.conf.result_extended = True
+        lease = acquire(
+            "job", ttl=30, task_id="t1", using="postgres", delivery=Delivery("t1", "d" * 32, 0)
+        )
+        with CaptureQueriesContext(connection) as queries:
+            FencedDatabaseBackend(app=app).mark_as_done(
+                "t1", {"answer": 42}, request=request_for("t1", lease)
+            )
+        (statement,) = [q["sql"] for q in queries.captured_queries]
+        assert "django_celery_results_taskresult" in statement
+        stored = TaskResult.objects.using("postgres").get(task_id="t1")
+        assert (stored.status, json.loads(stored.result)) == (states.SUCCESS, {"answer": 42})
+        assert stored.date_started is None
+        assert stored.date_done is not None
+    finally:
+        connection.close()
+        options.pop("server_side_binding")
+        routers.TARGET = "default"

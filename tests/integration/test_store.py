@@ -685,3 +685,50 @@ def test_statements__takeover_is_granted_by_the_full_statement_with_its_event_on
     assert second.reclaimed_from == first.owner
     event = LeaseEvent.objects.using("postgres").get(kind="reclaimed")
     assert (event.token, event.detail["previous_token"]) == (second.token, first.token)
+
+
+@pytest.mark.parametrize("routine", [False, True], ids=["anomalies", "all"])
+@pytest.mark.parametrize("displaces", [None, True, False], ids=["unknown", "moves", "none"])
+@pytest.mark.parametrize("completing", [False, True], ids=["no marker", "marker"])
+@pytest.mark.parametrize("operation", ["release", "release_current", "release_with_result"])
+def test_release__every_shape_of_the_postgres_statement(
+    operation: str, completing: bool, displaces: bool | None, routine: bool
+) -> None:
+    """Each optional part of the releasing statement (marker, its move, the event, the
+    result lock and row) with the others: the parameters land where their SQL is."""
+    from django.db import transaction
+    from django_celery_results.models import TaskResult
+
+    from celery_fenced.store import RESULT_COLUMNS
+
+    first = acquire(
+        "k", ttl=30, task_id="x", delivery=Delivery("x", "X" * 32, 0), using="postgres"
+    )
+    assert first.release(state="SUCCESS")  # an earlier job's marker on the row
+    lease = acquire(
+        "k", ttl=30, task_id="t", delivery=Delivery("t", "T" * 32, 0), using="postgres"
+    )
+    delivery = Delivery("t", "T" * 32, 0) if completing else None
+    # "none" claims the row holds no other job's marker: then nothing is moved
+    ending = Ending("k", lease.token, lease.owner, "t", "SUCCESS", delivery, routine, displaces)
+    dialect = for_alias("postgres")
+    if operation == "release":
+        assert dialect.release(ending)
+    elif operation == "release_current":
+        with transaction.atomic(using="postgres"):
+            assert dialect.release_current(ending) == (True, lease.token)
+    else:
+        row = TaskResult(task_id="t", status="SUCCESS", result='"v"', meta="{}")
+        connection = connections["postgres"]
+        values = [
+            field.get_db_prep_save(field.pre_save(row, add=True), connection)
+            for field in map(TaskResult._meta.get_field, RESULT_COLUMNS)
+        ]
+        assert dialect.release_with_result(ending, values) == (True, lease.token)
+        assert TaskResult.objects.using("postgres").get(task_id="t").result == '"v"'
+    held = Lease.objects.using("postgres").get(key="k")
+    assert (held.released_at is not None, held.release_state) == (True, "SUCCESS")
+    assert held.completed_digest == ("T" * 32 if completing else "X" * 32)
+    moved = set(Completion.objects.using("postgres").values_list("digest", flat=True))
+    assert moved == ({"X" * 32} if completing and displaces is not False else set())
+    assert LeaseEvent.objects.using("postgres").filter(kind="released").exists() == routine
