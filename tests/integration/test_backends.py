@@ -61,6 +61,15 @@ def row(alias: str, task_id: str) -> dict[str, Any]:
     }
 
 
+def assert_same_row_but_token(alias: str, lease: Any) -> None:
+    """Task "fenced"'s row is task "plain"'s, but for the token and key in its meta."""
+    written, expected = row(alias, "fenced"), row(alias, "plain")
+    meta = json.loads(written.pop("meta"))
+    assert (meta.pop("fencing_token"), meta.pop("lease_key")) == (lease.token, lease.key)
+    assert meta == json.loads(expected.pop("meta"))
+    assert written == expected
+
+
 @pytest.mark.parametrize(
     ("state", "value"),
     [
@@ -107,11 +116,7 @@ def test_fenced_result__row_as_database_backend_writes_it(
     }
     plain.store_result("plain", value, state, request=request_for("plain"))
     fenced.store_result("fenced", value, state, request=request_for("fenced", lease))
-    written, expected = row(routed, "fenced"), row(routed, "plain")
-    meta = json.loads(written.pop("meta"))
-    assert (meta.pop("fencing_token"), meta.pop("lease_key")) == (lease.token, "job")
-    assert meta == json.loads(expected.pop("meta"))
-    assert written == expected
+    assert_same_row_but_token(routed, lease)
     stored = TaskResult.objects.using(routed).get(task_id="fenced")
     if existing:  # the first write's creation time and start time are kept
         assert (stored.date_created,) == created["fenced"]
@@ -143,11 +148,7 @@ def test_fenced_success__proven_released_and_stored_in_one_statement(
             stack.enter_context(transaction.atomic(using=routed))
         with CaptureQueriesContext(connections[routed]) as queries:
             fenced.mark_as_done("fenced", {"answer": 42}, request=request_for("fenced", lease))
-    written, expected = row(routed, "fenced"), row(routed, "plain")
-    meta = json.loads(written.pop("meta"))
-    assert (meta.pop("fencing_token"), meta.pop("lease_key")) == (lease.token, "job")
-    assert meta == json.loads(expected.pop("meta"))
-    assert written == expected
+    assert_same_row_but_token(routed, lease)
     stored = TaskResult.objects.using(routed).get(task_id="fenced")
     assert (stored.date_started is not None) == existing
     held = Lease.objects.using(routed).get(key="job")
