@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from django.db import connections, models
+from django.test.utils import isolate_apps
 from django_celery_results.managers import TaskResultManager
 from django_celery_results.models import TaskResult
 
@@ -36,33 +37,29 @@ def _result_model_like_task_result() -> type[models.Model]:
     return type("OwnTaskResult", (models.Model,), attrs)
 
 
-OwnTaskResult = _result_model_like_task_result()
-
-
-class OwnModelBackend(FencedDatabaseBackend):
-    TaskModel = OwnTaskResult
-
-
 @pytest.fixture
-def own_table(alias: str, settings: Any) -> Iterator[str]:
+def own_model(alias: str, settings: Any) -> Iterator[type[models.Model]]:
+    """The model, on ``alias``; in a registry of its own, so no migration ever sees it."""
+    with isolate_apps("testproject.demo"):
+        model = _result_model_like_task_result()
     routers.TARGET = alias
     settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
     with connections[alias].schema_editor() as editor:
-        editor.create_model(OwnTaskResult)
-    yield alias
+        editor.create_model(model)
+    yield model
     with connections[alias].schema_editor() as editor:
-        editor.delete_model(OwnTaskResult)
+        editor.delete_model(model)
     routers.TARGET = "default"
 
 
-def test_own_task_model__fenced_success_is_stored_in_it(own_table: str) -> None:
+def test_own_task_model__fenced_success_is_stored_in_it(
+    alias: str, own_model: type[models.Model]
+) -> None:
     """Not in django-celery-results' table: the one-statement success (PostgreSQL) writes
     that table only, so a backend with its own model settles the transaction way."""
-    backend = OwnModelBackend(app=app)
-    lease = acquire(
-        "job", ttl=30, task_id="t1", using=own_table, delivery=Delivery("t1", "d" * 32, 0)
-    )
+    backend = type("OwnModelBackend", (FencedDatabaseBackend,), {"TaskModel": own_model})(app=app)
+    lease = acquire("job", ttl=30, task_id="t1", using=alias, delivery=Delivery("t1", "d" * 32, 0))
     backend.mark_as_done("t1", {"answer": 42}, request=request_for("t1", lease))
-    assert not TaskResult.objects.using(own_table).filter(task_id="t1").exists()
+    assert not TaskResult.objects.using(alias).filter(task_id="t1").exists()
     assert backend.get_task_meta("t1")["status"] == "SUCCESS"
     assert lease.released
