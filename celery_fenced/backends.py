@@ -57,6 +57,11 @@ def lease_of(request: Any) -> HeldLease | None:
     return lease if isinstance(lease, HeldLease) else None
 
 
+def proof_meta(lease: HeldLease) -> dict[str, Any]:
+    """What a result row written under ``lease`` carries in its ``meta``: token and key."""
+    return {"fencing_token": lease.token, "lease_key": lease.key}
+
+
 class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
     """A drop-in ``DatabaseBackend`` that refuses result writes under stale tokens."""
 
@@ -289,11 +294,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             ok, current = store.prove_for_result(lease, task_id, status, releasing=releasing)
             if not ok:
                 raise store.Refused(current)
-            request.meta = {
-                **(getattr(request, "meta", None) or {}),
-                "fencing_token": lease.token,
-                "lease_key": lease.key,
-            }
+            request.meta = {**(getattr(request, "meta", None) or {}), **proof_meta(lease)}
             request._fenced_proven = lease
             try:
                 then()
@@ -311,7 +312,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         self, task_id: str, result: Any, status: str, request: Any, lease: HeldLease
     ) -> None:
         """The success of :meth:`_in_one_statement`: one statement, or :class:`store.Refused`."""
-        meta = {"fencing_token": lease.token, "lease_key": lease.key}
+        meta = proof_meta(lease)
         fields = self._row_fields(
             task_id, self.encode_result(result, status), status, None, request, meta
         )

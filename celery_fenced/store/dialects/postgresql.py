@@ -111,25 +111,7 @@ class PostgreSQL(SQLDialect):
             return granted
         unless_completed, params = self._grant_params(request)
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
-        # a takeover is always recorded; with routine events every grant is. The
-        # previous grant's start is read from the statement's snapshot: the row before it
-        rows = self._fetch(
-            f"""WITH granted AS ({grant}),
-                ev AS (
-                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, CASE WHEN reclaimed_from = ''
-                                    THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
-                           token, %s, %s, statement_timestamp(),
-                           CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
-                           jsonb_build_object(
-                               'previous_owner', reclaimed_from,
-                               'previous_token', token - 1,
-                               'previous_acquired_at',
-                               (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
-                    FROM granted WHERE reclaimed_from <> '' OR %s)
-                SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
-            [*params, task_id, owner, key, request.routine_events],
-        )
+        rows = self._grant_with_event(grant, params, request)  # a takeover is always recorded
         if rows:
             return _grant(rows[0])
         # not granted (rare): a completed duplicate, or the key is held
@@ -167,17 +149,7 @@ class PostgreSQL(SQLDialect):
             else self._upsert(routine=True)
         )
         if request.routine_events:
-            rows = self._fetch(
-                f"""WITH granted AS ({grant}),
-                    ev AS (
-                        INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                        SELECT id, {SQL_ACQUIRED}, token, %s, %s, statement_timestamp(),
-                               '{{}}'::jsonb
-                        FROM granted)
-                    SELECT id, token, expires_at, reclaimed_from, completed_digest
-                    FROM granted""",
-                [*params, request.task_id, request.owner],
-            )
+            rows = self._grant_with_event(grant, params, request)
         else:
             rows = self._fetch(grant, params)
         return _grant(rows[0]) if rows else None
@@ -238,6 +210,32 @@ class PostgreSQL(SQLDialect):
         if self._release(ending, holder_only=False, lock_result=True):
             return True, ending.token
         return False, self._current_token(ending.key)
+
+    def _grant_with_event(
+        self, grant: str, params: list[Any], request: GrantRequest
+    ) -> list[tuple[Any, ...]]:
+        """``grant`` (an upsert of :meth:`_upsert`) with its event in the same statement.
+
+        A takeover's ``reclaimed`` event always, an ``acquired`` one with routine events.
+        The previous grant's start is read from the statement's snapshot: the row before it.
+        """
+        return self._fetch(
+            f"""WITH granted AS ({grant}),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, CASE WHEN reclaimed_from = ''
+                                    THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
+                           token, %s, %s, statement_timestamp(),
+                           CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
+                           jsonb_build_object(
+                               'previous_owner', reclaimed_from,
+                               'previous_token', token - 1,
+                               'previous_acquired_at',
+                               (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
+                    FROM granted WHERE reclaimed_from <> '' OR %s)
+                SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
+            [*params, request.task_id, request.owner, request.key, request.routine_events],
+        )
 
     RELEASES_WITH_RESULT = True
 
