@@ -318,12 +318,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         )
         model = self.TaskModel
         row = model(task_id=task_id, **fields)
-        connection = connections[lease.alias]
+        kept = store.kept_connection(lease.alias, request)
+        connection = kept if kept is not None else connections[lease.alias]
         values = [
             field.get_db_prep_save(field.pre_save(row, add=True), connection)
             for field in map(model._meta.get_field, store.RESULT_COLUMNS)
         ]
-        ok, current = store.release_with_result(lease, status, values)
+        ok, current = store.release_with_result(lease, status, values, connection=kept)
         if not ok:
             raise store.Refused(current)
         request.meta = {**(getattr(request, "meta", None) or {}), **meta}

@@ -86,6 +86,12 @@ def validate_events(value: object, name: str) -> str:
     return str(value)
 
 
+def validate_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise FencedConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def validate_renew_interval(value: object, ttl: float, name: str) -> float:
     interval = validate_ttl(value, name)
     if interval >= ttl:
@@ -128,6 +134,9 @@ class FencedSettings:
     #: "anomalies": only what an operator must see (takeovers, losses, refusals, ...);
     #: "all": an event for every grant and release too
     events: str = "anomalies"
+    #: a worker grants and stores successes on PostgreSQL over a connection of its own,
+    #: kept open between tasks (:mod:`celery_fenced.store.owned`); False: Django's
+    keep_connection: bool = True
 
     @property
     def routine_events(self) -> bool:
@@ -336,6 +345,7 @@ def _load(app: Any) -> FencedSettings:
         ),
         duplicate_window=validate_ttl(raw["fenced_duplicate_window"], "fenced_duplicate_window"),
         events=validate_events(raw["fenced_events"], "fenced_events"),
+        keep_connection=validate_bool(raw["fenced_keep_connection"], "fenced_keep_connection"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

@@ -248,6 +248,7 @@ class FencedExecution:
         try:
             return store.acquire(
                 key,
+                connection=store.kept_connection(alias, request),
                 ttl=options.ttl,
                 owner=_owner(request),
                 task_id=task_id,

@@ -33,6 +33,11 @@ def connect() -> None:
         on_process_shutdown, weak=False, dispatch_uid="celery_fenced.shutdown"
     )
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="celery_fenced.ready")
+    from celery.contrib.testing.worker import test_worker_stopped
+
+    test_worker_stopped.connect(
+        on_test_worker_stopped, weak=False, dispatch_uid="celery_fenced.test_worker_stopped"
+    )
 
 
 def fence_configured_tasks(app: Any) -> list[str]:
@@ -197,7 +202,8 @@ def on_worker_process_init(**kwargs: Any) -> None:
 
 
 def on_process_shutdown(**kwargs: Any) -> None:
-    """On a warm shutdown, release what this process still holds."""
+    """On a warm shutdown, release what this process still holds; close its connections."""
+    from celery_fenced import store
     from celery_fenced.renewal import renewer
 
     for lease in renewer().held():
@@ -206,6 +212,18 @@ def on_process_shutdown(**kwargs: Any) -> None:
             lease.release(state="SHUTDOWN")
         except Exception:
             logger.warning("could not release %r at shutdown", lease.key, exc_info=True)
+    store.close_kept_connections()
+
+
+def on_test_worker_stopped(**kwargs: Any) -> None:
+    """A worker of ``celery.contrib.testing`` stopped: close the connections it kept.
+
+    Its thread has ended; left open, they would keep the test database from being
+    dropped.
+    """
+    from celery_fenced import store
+
+    store.close_kept_connections()
 
 
 def _stop(message: str) -> NoReturn:

@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connections
 
+from celery_fenced import store
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -25,7 +27,8 @@ def attempt_through(
     """``attempt()``, again after a pause each time the database is away (``PAUSES``).
 
     A failed attempt's transaction went with its connection, so nothing of it stands; the
-    connections of ``aliases`` are closed so the next attempt opens new ones. Inside a
+    connections of ``aliases`` (Django's and the thread's kept ones, see
+    :mod:`celery_fenced.store.owned`) are closed so the next attempt opens new ones. Inside a
     transaction of the caller's nothing can be tried again: the error is raised. Each
     pause is logged as ``"<failing> (<error>); trying again in <pause> s"``.
     """
@@ -38,5 +41,6 @@ def attempt_through(
             logger.warning("%s (%s); trying again in %.1f s", failing, exc, pause, extra=extra)
             for alias in aliases:
                 connections[alias].close()
+                store.close_kept_connection(alias)
             time.sleep(pause)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -29,6 +29,18 @@ def require_servers() -> None:
         )
 
 
+@pytest.fixture(autouse=True)
+def _kept_connections_closed() -> Iterator[None]:
+    """After each test, close the connections it kept for grants (``store.owned``).
+
+    A worker closes them at shutdown; left open, they would hold the test database.
+    """
+    yield
+    from celery_fenced import store
+
+    store.close_kept_connections()
+
+
 @pytest.fixture(params=DATABASE_ALIASES, ids=["sqlite", "postgres"])
 def alias(request: pytest.FixtureRequest) -> str:
     """A database alias; the test runs once per database."""
@@ -136,8 +148,20 @@ def side_connection(alias: str) -> Any:
 
 
 def terminate_connection(alias: str) -> None:
-    """End this thread's PostgreSQL session of ``alias`` from the server's side."""
-    connection = connections[alias]
-    connection.ensure_connection()
-    with side_connection(alias) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    """End this thread's PostgreSQL sessions of ``alias`` from the server's side.
+
+    Django's, and the connection the thread keeps for grants and successes
+    (``celery_fenced.store.owned``), opened here if it was not yet.
+    """
+    from celery_fenced import store
+
+    sessions = [connections[alias]]
+    kept = store.kept_connection(alias)
+    if kept is not None:
+        sessions.append(kept)
+    for connection in sessions:
+        connection.ensure_connection()
+        with side_connection(alias) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid]
+            )

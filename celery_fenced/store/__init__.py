@@ -40,6 +40,9 @@ from celery_fenced.store.grants import (
     settle_elsewhere,
 )
 from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many
+from celery_fenced.store.owned import close as close_kept_connection
+from celery_fenced.store.owned import close_all as close_kept_connections
+from celery_fenced.store.owned import connection_for as kept_connection
 from celery_fenced.store.pruning import delete_completions_before, delete_events_before
 from celery_fenced.store.reclaiming import (
     abandon,
@@ -67,6 +70,8 @@ __all__ = [
     "abandon",
     "acquire",
     "claim_expired",
+    "close_kept_connection",
+    "close_kept_connections",
     "database_alias",
     "database_now",
     "default_owner",
@@ -81,6 +86,7 @@ __all__ = [
     "grant_of",
     "in_guard",
     "in_guard_of_token",
+    "kept_connection",
     "lock_for_result",
     "prove_for_result",
     "record_duplicate",

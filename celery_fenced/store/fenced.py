@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import signals
 from celery_fenced.context import _guards
@@ -196,15 +197,22 @@ def writes_result_in_release(alias: str) -> bool:
 
 
 def release_with_result(
-    lease: HeldLease, status: str, row: Sequence[Any]
+    lease: HeldLease,
+    status: str,
+    row: Sequence[Any],
+    *,
+    connection: BaseDatabaseWrapper | None = None,
 ) -> tuple[bool, int | None]:
     """Prove ``lease`` current, release it in ``status`` and write its task's result row.
 
     One statement (see :func:`writes_result_in_release`); ``row`` holds the values of
     :data:`~celery_fenced.store.dialects.records.RESULT_COLUMNS`. Returns ``(ok, the key's
-    current token)``; refused, nothing is written.
+    current token)``; refused, nothing is written. ``connection``: the connection to send
+    it on (default: Django's for the lease's alias).
     """
-    return dialects.for_alias(lease.alias).release_with_result(lease.ending(status), row)
+    return dialects.for_alias(lease.alias, connection=connection).release_with_result(
+        lease.ending(status), row
+    )
 
 
 def lock_for_result(alias: str, task_id: str) -> None:

@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Any
 
+from django.db.backends.base.base import BaseDatabaseWrapper
+
 from celery_fenced import conf, signals
 from celery_fenced.exceptions import AlreadyCompleted, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
@@ -36,6 +38,7 @@ def acquire(
     renew_interval: float | None = None,
     job: str | None = None,
     delivery: Delivery | None = None,
+    connection: BaseDatabaseWrapper | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -50,6 +53,8 @@ def acquire(
     :class:`~celery_fenced.exceptions.AlreadyCompleted` (see
     :meth:`celery_fenced.store.dialects.Dialect.completed`); a release of this grant as
     SUCCESS, FAILURE (or REPLACED) marks it completed.
+
+    ``connection``: the connection to send the grant on (default: Django's for the alias).
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
@@ -60,7 +65,7 @@ def acquire(
     routine = settings.routine_events
     sent = time.monotonic()
     with tables_required(alias):
-        outcome = dialects.for_alias(alias).acquire(
+        outcome = dialects.for_alias(alias, connection=connection).acquire(
             GrantRequest(key, seconds, owner, task_id, task_name, job, delivery, window, routine)
         )
     if isinstance(outcome, Completed):

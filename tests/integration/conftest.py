@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import require_servers
+from tests.integration.test_seams import broker  # noqa: F401 (the fixture, for other modules)
 
 
 def pytest_configure(config: pytest.Config) -> None:

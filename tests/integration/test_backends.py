@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import acquire
+from celery_fenced import acquire, store
 from celery_fenced.backends import FencedDatabaseBackend
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import Delivery
@@ -124,6 +124,12 @@ def test_fenced_result__row_as_database_backend_writes_it(
     assert stored.date_done >= stored.date_created
 
 
+def settling_connection(alias: str) -> Any:
+    """The connection a success settles on: this thread's kept one (PostgreSQL, outside
+    a transaction; ``celery_fenced.store.owned``), else Django's."""
+    return store.kept_connection(alias) or connections[alias]
+
+
 @pytest.mark.parametrize("existing", [False, True], ids=["new row", "over a row"])
 @pytest.mark.parametrize("outer", [False, True], ids=["autocommit", "in a transaction"])
 def test_fenced_success__proven_released_and_stored_in_one_statement(
@@ -146,7 +152,7 @@ def test_fenced_success__proven_released_and_stored_in_one_statement(
     with contextlib.ExitStack() as stack:
         if outer:
             stack.enter_context(transaction.atomic(using=routed))
-        with CaptureQueriesContext(connections[routed]) as queries:
+        with CaptureQueriesContext(settling_connection(routed)) as queries:
             fenced.mark_as_done("fenced", {"answer": 42}, request=request_for("fenced", lease))
     assert_same_row_but_token(routed, lease)
     stored = TaskResult.objects.using(routed).get(task_id="fenced")
@@ -398,7 +404,7 @@ def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -
     typed parameters of ``INSERT … SELECT``: they still land in their columns."""
     routers.TARGET = "postgres"
     settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
-    connection = connections["postgres"]
+    connection = settling_connection("postgres")
     options = connection.settings_dict.setdefault("OPTIONS", {})
     connection.close()
     options["server_side_binding"] = True

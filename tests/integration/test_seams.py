@@ -866,13 +866,16 @@ def test_group_in_chain__stale_success_sends_no_group_and_the_current_one_sends_
 
 
 # -- the database goes away while a result settles: the outcome is settled again -----------
+@pytest.mark.parametrize("keep", [True, False], ids=["kept connection", "Django's"])
 def test_connection_lost_before_the_result__success_settles_once_back(
-    broker: Broker, lease_db: str
+    broker: Broker, lease_db: str, keep: bool, settings: Any
 ) -> None:
     """A done job does not become a FAILURE because the database dropped the connection
-    just before its result transaction (a restart, a failover)."""
+    just before its result transaction (a restart, a failover): on the connection the
+    worker keeps (``fenced_keep_connection``) or on Django's."""
     if lease_db != "postgres":
         pytest.skip("terminates a PostgreSQL backend")
+    settings.CELERY_FENCED_KEEP_CONNECTION = keep
     app = broker.app
     task = app.tasks["seams.step"]
     original = task.run
@@ -887,6 +890,7 @@ def test_connection_lost_before_the_result__success_settles_once_back(
         deliver(app, broker.one("seams.step"))
     finally:
         task.run = original
+    connections[lease_db].close()  # this test's own reads: a new session
     task_id = broker.one("seams.step")[0]["id"]
     assert status(lease_db, task_id) == ("SUCCESS", '"c@1"')
     lease = Lease.objects.using(lease_db).get(task_id=task_id)

@@ -10,6 +10,7 @@ Django database vendor to its dialect.
 from __future__ import annotations
 
 from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced.store.dialects.base import Dialect
 from celery_fenced.store.dialects.orm import ORMDialect
@@ -35,11 +36,16 @@ from celery_fenced.store.dialects.sqlite import SQLite
 VENDORS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}
 
 
-def for_alias(alias: str, *, portable: bool = False) -> Dialect:
-    """The dialect for database ``alias`` (``portable=True`` forces the ORM dialect)."""
+def for_alias(
+    alias: str, *, portable: bool = False, connection: BaseDatabaseWrapper | None = None
+) -> Dialect:
+    """The dialect for database ``alias`` (``portable=True`` forces the ORM dialect).
+
+    ``connection``: a connection to ``alias`` to use instead of Django's.
+    """
     if portable:
         return ORMDialect(alias)
-    return VENDORS.get(connections[alias].vendor, ORMDialect)(alias)
+    return VENDORS.get(connections[alias].vendor, ORMDialect)(alias, connection)
 
 
 __all__ = [

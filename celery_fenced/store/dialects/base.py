@@ -29,12 +29,13 @@ from celery_fenced.store.dialects.records import (
 class Dialect(abc.ABC):
     """The lease store's operations on the database ``alias``."""
 
-    def __init__(self, alias: str) -> None:
+    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
         self.alias = alias
+        self._connection = connection
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
-        return connections[self.alias]
+        return self._connection if self._connection is not None else connections[self.alias]
 
     @abc.abstractmethod
     def now(self) -> dt.datetime:

@@ -1,0 +1,139 @@
+"""The connection a worker thread keeps open for its grants and one-statement successes.
+
+Celery closes Django's connections around every task (``CONN_MAX_AGE = 0``, Django's
+default), so each fenced task would open a new PostgreSQL connection for its grant: the
+handshake and the catalog loading cost more than the statements themselves. A worker
+thread keeps one connection of its own per lease database instead (setting
+``fenced_keep_connection``, on by default), opened on first use, as Django opens its
+own (same ``DATABASES`` entry, same ``connection_created`` signal), and closed:
+
+- when the server ended it while idle (a restart, a failover, a terminated backend: its
+  socket has something to read between tasks; a look that costs no round trip);
+- when an error left it unusable (checked the next time, as Django checks its own);
+- after ``CONN_MAX_AGE`` seconds, when that is a positive number;
+- when the database is away (:mod:`celery_fenced.outages` closes it with Django's);
+- at worker (process) shutdown, and when its thread has ended.
+
+Only outside any transaction of the caller's: the grant and the success are then
+statements of their own on any connection.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+import weakref
+from typing import Any
+
+from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from celery_fenced import conf
+
+_local = threading.local()
+_lock = threading.Lock()
+#: every connection kept in this process: (pid, its thread, the connection). A forked
+#: child keeps its parent's entries referenced and never closes them: closing (or
+#: collecting) them would end the parent's sessions, whose sockets they share.
+_kept: list[tuple[int, weakref.ref[threading.Thread], BaseDatabaseWrapper]] = []
+
+
+def connection_for(alias: str, request: Any = None) -> BaseDatabaseWrapper | None:
+    """This thread's kept connection to ``alias``, or None where Django's is to be used.
+
+    None when ``fenced_keep_connection`` is off, the database is not PostgreSQL, a
+    transaction is open on Django's connection (what runs in it must stay in it), or for
+    an eager task ``request``: that runs in the caller's process (a web request's
+    thread), which must not be left holding a connection.
+    """
+    django_connection = connections[alias]
+    if (
+        getattr(request, "is_eager", False)
+        or django_connection.vendor != "postgresql"
+        or django_connection.in_atomic_block
+        or not conf.load().keep_connection
+    ):
+        return None
+    mine = _this_thread()
+    wrapper = mine.get(alias)
+    if wrapper is None:
+        wrapper = connections.create_connection(alias)
+        mine[alias] = wrapper
+        _remember(wrapper)
+    elif wrapper.connection is not None and _spent(wrapper):
+        _close(wrapper)
+    return wrapper
+
+
+def close(alias: str) -> None:
+    """Close this thread's kept connection to ``alias``, if any (it reopens on next use)."""
+    wrapper = _this_thread().get(alias)
+    if wrapper is not None:
+        _close(wrapper)
+
+
+def close_all() -> None:
+    """Close every connection kept in this process (worker shutdown, test teardown)."""
+    pid = os.getpid()
+    with _lock:
+        mine = [wrapper for owner, _thread, wrapper in _kept if owner == pid]
+    for wrapper in mine:
+        _close(wrapper)
+
+
+def _this_thread() -> dict[str, BaseDatabaseWrapper]:
+    state = getattr(_local, "state", None)
+    if state is None or state[0] != os.getpid():
+        state = (os.getpid(), {})  # a forked child opens its own
+        _local.state = state
+    return state[1]
+
+
+def _remember(wrapper: BaseDatabaseWrapper) -> None:
+    """Keep ``wrapper`` for :func:`close_all`; close the connections of ended threads."""
+    pid = os.getpid()
+    with _lock:
+        ended = [entry for entry in _kept if entry[0] == pid and not _alive(entry[1])]
+        for entry in ended:
+            _kept.remove(entry)
+        _kept.append((pid, weakref.ref(threading.current_thread()), wrapper))
+    for _pid, _thread, old in ended:
+        _close(old)
+
+
+def _alive(thread: weakref.ref[threading.Thread]) -> bool:
+    found = thread()
+    return found is not None and found.is_alive()
+
+
+def _spent(wrapper: BaseDatabaseWrapper) -> bool:
+    """Ended by the server, unusable after an error, or older than a positive ``CONN_MAX_AGE``."""
+    if wrapper.errors_occurred or _has_input(wrapper.connection.fileno()):
+        # idle between statements, the server sends nothing unless it ends the session
+        wrapper.errors_occurred = False
+        if not wrapper.is_usable():
+            return True
+    max_age = wrapper.settings_dict.get("CONN_MAX_AGE")
+    return bool(max_age) and wrapper.close_at is not None and time.monotonic() >= wrapper.close_at
+
+
+def _has_input(fd: int) -> bool:
+    """Whether the socket ``fd`` can be read now (data or end of stream), without waiting."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - Windows
+
+
+def _close(wrapper: BaseDatabaseWrapper) -> None:
+    """Close ``wrapper``'s connection, from any thread; a broken one is closed all the same."""
+    wrapper.inc_thread_sharing()
+    try:
+        wrapper.close()
+    except DatabaseError:
+        wrapper.connection = None
+    finally:
+        wrapper.dec_thread_sharing()

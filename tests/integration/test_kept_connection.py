@@ -1,0 +1,176 @@
+"""The connection a worker thread keeps for grants and successes (``store.owned``).
+
+Executions run through Celery's own tracer, as a pool process runs them; the sessions
+are PostgreSQL's own (``pg_stat_activity``, ``pg_terminate_backend``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+from celery import states
+from django.db import connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from celery_fenced import store
+from celery_fenced.models import Lease
+from tests.conftest import DATABASE_ALIASES, side_connection
+from tests.integration.test_seams import Broker, deliver, status
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture
+def pg(lease_db: str) -> str:
+    if lease_db != "postgres":
+        pytest.skip("the kept connection is PostgreSQL's (SQLite: Django's, per task)")
+    return lease_db
+
+
+def backend_pid(connection: Any) -> int:
+    connection.ensure_connection()
+    return int(connection.connection.info.backend_pid)
+
+
+def session_ended(alias: str, pid: int) -> bool:
+    with side_connection(alias) as admin:
+        found = admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid])
+        return found.fetchone() is None
+
+
+def run_one(broker: Broker, value: str) -> str:
+    """Publish and deliver one ``seams.step``; return its task id."""
+    result = broker.app.signature("seams.step", (value,)).apply_async()
+    (message,) = [m for m in broker.sent("seams.step") if m[0]["id"] == result.id]
+    deliver(broker.app, message)
+    return str(result.id)
+
+
+def test_grant_and_success__one_kept_session_across_tasks_none_on_djangos(
+    broker: Broker, pg: str
+) -> None:
+    """Two executions: each is two statements (grant; proof, release and result row) on
+    the same kept session, and Django's connection is not opened for them."""
+    kept = store.kept_connection(pg)
+    assert kept is not None
+    pid = backend_pid(kept)
+    connections[pg].close()
+    with CaptureQueriesContext(kept) as on_kept:
+        first, second = run_one(broker, "a"), run_one(broker, "b")
+    assert connections[pg].connection is None  # never opened
+    assert backend_pid(kept) == pid
+    assert len(on_kept.captured_queries) == 4, [q["sql"] for q in on_kept.captured_queries]
+    assert status(pg, first) == (states.SUCCESS, '"a@1"')
+    assert status(pg, second) == (states.SUCCESS, '"b@1"')
+
+
+def test_session_ended_while_idle__replaced_before_the_next_grant(broker: Broker, pg: str) -> None:
+    """A restart or failover between tasks ends the kept session: the next execution
+    sees it (its socket has something to read), opens a new one and runs at once, with
+    no database-error retry of the job."""
+    run_one(broker, "a")
+    kept = store.kept_connection(pg)
+    assert kept is not None
+    pid = backend_pid(kept)
+    with side_connection(pg) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    while not session_ended(pg, pid):
+        threading.Event().wait(0.01)
+    task_id = run_one(broker, "b")
+    assert status(pg, task_id) == (states.SUCCESS, '"b@1"')
+    assert len(broker.sent("seams.step")) == 2  # nothing sent again
+    assert backend_pid(kept) != pid
+
+
+def test_not_kept__off_eager_in_a_transaction_or_sqlite(
+    broker: Broker, lease_db: str, settings: Any
+) -> None:
+    """Django's connection is used where a kept one would be wrong: the setting off, an
+    eager call (the caller's web thread), a transaction of the caller's, SQLite."""
+    if lease_db != "postgres":
+        assert store.kept_connection(lease_db) is None
+        return
+    assert store.kept_connection(lease_db) is not None
+    eager = type("Request", (), {"is_eager": True})()
+    assert store.kept_connection(lease_db, eager) is None
+    with transaction.atomic(using=lease_db):
+        assert store.kept_connection(lease_db) is None
+    settings.CELERY_FENCED_KEEP_CONNECTION = False
+    assert store.kept_connection(lease_db) is None
+    with CaptureQueriesContext(connections[lease_db]) as on_django:
+        task_id = run_one(broker, "a")
+    assert status(lease_db, task_id) == (states.SUCCESS, '"a@1"')
+    assert any("celery_fenced_lease" in q["sql"] for q in on_django.captured_queries)
+
+
+def test_close_all__closes_every_thread_and_ended_threads_are_closed_on_the_next(
+    pg: str,
+) -> None:
+    """``close_kept_connections`` (worker shutdown) closes every thread's session; a
+    thread that ended without it has its session closed when another thread opens one."""
+    opened: list[Any] = []
+
+    def open_one() -> None:
+        kept = store.kept_connection(pg)
+        backend_pid(kept)
+        opened.append(kept)
+
+    for _ in range(2):
+        thread = threading.Thread(target=open_one)
+        thread.start()
+        thread.join()
+    first, second = opened
+    assert first.connection is None  # its thread ended: closed when the second opened
+    assert second.connection is not None
+    mine = store.kept_connection(pg)
+    backend_pid(mine)
+    store.close_kept_connections()
+    assert (second.connection, mine.connection) == (None, None)
+
+
+def test_forked_child__opens_its_own_session_and_leaves_the_parents(pg: str) -> None:
+    """A child forked from a process with a kept session never uses or closes it
+    (sharing a socket would mix two processes' statements; closing it ends the
+    parent's session)."""
+    kept = store.kept_connection(pg)
+    parent_pid = backend_pid(kept)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            own = store.kept_connection(pg)
+            code = 0 if own is not kept and backend_pid(own) != parent_pid else 2
+            store.close_kept_connections()
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(code)
+    os.close(write)
+    assert os.read(read, 1) == bytes([0])
+    os.waitpid(child, 0)
+    assert store.kept_connection(pg) is kept
+    assert backend_pid(kept) == parent_pid
+    assert not session_ended(pg, parent_pid)
+    with kept.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        assert cursor.fetchone() == (1,)
+
+
+def test_what_the_kept_session_writes__is_committed_at_once(broker: Broker, pg: str) -> None:
+    """What the kept session writes is committed at once (no transaction left open on
+    it): another session sees the released grant and its completion."""
+    task_id = run_one(broker, "a")
+    with side_connection(pg) as other:
+        row = other.execute(
+            "SELECT released_at IS NOT NULL, release_state FROM celery_fenced_lease "
+            "WHERE task_id = %s",
+            [task_id],
+        ).fetchone()
+    assert row == (True, states.SUCCESS)
+    assert Lease.objects.using(pg).get(task_id=task_id).completed_digest
