@@ -9,8 +9,6 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connections
 
-from celery_fenced import store
-
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -32,6 +30,8 @@ def attempt_through(
     transaction of the caller's nothing can be tried again: the error is raised. Each
     pause is logged as ``"<failing> (<error>); trying again in <pause> s"``.
     """
+    from celery_fenced import store  # importable before Django's apps are ready
+
     for pause in (*PAUSES, None):
         try:
             return attempt()

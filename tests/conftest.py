@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,9 @@ from django.conf import settings
 from django.db import connections
 
 DATABASE_ALIASES = ["default", "postgres"]
+#: what a worker's tracer sets on the request of a delivered message (not called
+#: directly, not eager): where ``store.kept_connection`` keeps a connection
+DELIVERED = SimpleNamespace(called_directly=False, is_eager=False)
 
 
 def require_servers() -> None:
@@ -156,7 +160,7 @@ def terminate_connection(alias: str) -> None:
     from celery_fenced import store
 
     sessions = [connections[alias]]
-    kept = store.kept_connection(alias)
+    kept = store.kept_connection(alias, DELIVERED)
     if kept is not None:
         sessions.append(kept)
     for connection in sessions:

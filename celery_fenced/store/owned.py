@@ -7,6 +7,9 @@ thread keeps one connection of its own per lease database instead (setting
 ``fenced_keep_connection``, on by default), opened on first use, as Django opens its
 own (same ``DATABASES`` entry, same ``connection_created`` signal), and closed:
 
+- when it was idle for more than a minute (``IDLE_REPLACED_AFTER``: a firewall or NAT may
+  have dropped it silently); when tasks are that sparse a connection per task costs
+  nothing that matters;
 - when the server ended it while idle (a restart, a failover, a terminated backend: its
   socket has something to read between tasks; a look that costs no round trip);
 - when an error left it unusable (checked the next time, as Django checks its own);
@@ -38,21 +41,35 @@ _lock = threading.Lock()
 #: child keeps its parent's entries referenced and never closes them: closing (or
 #: collecting) them would end the parent's sessions, whose sockets they share.
 _kept: list[tuple[int, weakref.ref[threading.Thread], BaseDatabaseWrapper]] = []
+#: when each kept connection was last handed out (monotonic seconds)
+_used: weakref.WeakKeyDictionary[BaseDatabaseWrapper, float] = weakref.WeakKeyDictionary()
+#: a connection idle longer than this is replaced, not trusted: a firewall or NAT may
+#: have dropped it without a word (no end of stream to see), and a statement sent on it
+#: would hang for the kernel's retransmissions (about 15 minutes)
+IDLE_REPLACED_AFTER = 60.0
 
 
-def connection_for(alias: str, request: Any = None) -> BaseDatabaseWrapper | None:
-    """This thread's kept connection to ``alias``, or None where Django's is to be used.
+def connection_for(alias: str, request: Any) -> BaseDatabaseWrapper | None:
+    """This thread's kept connection to ``alias`` for ``request``, or None: use Django's.
 
-    None when ``fenced_keep_connection`` is off, the database is not PostgreSQL, a
-    transaction is open on Django's connection (what runs in it must stay in it), or for
-    an eager task ``request``: that runs in the caller's process (a web request's
-    thread), which must not be left holding a connection.
+    Only for a task delivered to a worker: never for an eager or a direct call (they run
+    in the caller's thread, a web request's, which must not be left holding a
+    connection). None too when ``fenced_keep_connection`` is off, the database is not
+    PostgreSQL, its connections come from Django's pool (``OPTIONS["pool"]``: a kept one
+    would hold a pool slot for good), or a transaction is open on Django's connection
+    (what runs in it must stay in it).
     """
+    if (
+        request is None
+        or getattr(request, "called_directly", True)
+        or getattr(request, "is_eager", False)
+    ):
+        return None
     django_connection = connections[alias]
     if (
-        getattr(request, "is_eager", False)
-        or django_connection.vendor != "postgresql"
+        django_connection.vendor != "postgresql"
         or django_connection.in_atomic_block
+        or django_connection.settings_dict.get("OPTIONS", {}).get("pool")
         or not conf.load().keep_connection
     ):
         return None
@@ -64,6 +81,7 @@ def connection_for(alias: str, request: Any = None) -> BaseDatabaseWrapper | Non
         _remember(wrapper)
     elif wrapper.connection is not None and _spent(wrapper):
         _close(wrapper)
+    _used[wrapper] = time.monotonic()
     return wrapper
 
 
@@ -109,7 +127,10 @@ def _alive(thread: weakref.ref[threading.Thread]) -> bool:
 
 
 def _spent(wrapper: BaseDatabaseWrapper) -> bool:
-    """Ended by the server, unusable after an error, or older than a positive ``CONN_MAX_AGE``."""
+    """Idle too long, ended by the server, unusable after an error, or past a positive
+    ``CONN_MAX_AGE``."""
+    if time.monotonic() - _used.get(wrapper, 0.0) > IDLE_REPLACED_AFTER:
+        return True
     if wrapper.errors_occurred or _has_input(wrapper.connection.fileno()):
         # idle between statements, the server sends nothing unless it ends the session
         wrapper.errors_occurred = False

@@ -23,7 +23,7 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import Delivery
 from testproject.celery import app
 from tests import routers
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import DATABASE_ALIASES, DELIVERED
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -46,6 +46,7 @@ def request_for(task_id: str, lease: Any = None) -> Context:
         hostname="w@h",
         argsrepr="[1]",
         kwargsrepr="{'a': 2}",
+        called_directly=False,  # delivered to a worker, as the tracer's request
     )
     if lease is not None:
         request._fenced_lease = lease
@@ -127,7 +128,7 @@ def test_fenced_result__row_as_database_backend_writes_it(
 def settling_connection(alias: str) -> Any:
     """The connection a success settles on: this thread's kept one (PostgreSQL, outside
     a transaction; ``celery_fenced.store.owned``), else Django's."""
-    return store.kept_connection(alias) or connections[alias]
+    return store.kept_connection(alias, DELIVERED) or connections[alias]
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new row", "over a row"])

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +20,7 @@ from django.test.utils import CaptureQueriesContext
 
 from celery_fenced import store
 from celery_fenced.models import Lease
-from tests.conftest import DATABASE_ALIASES, side_connection
+from tests.conftest import DATABASE_ALIASES, DELIVERED, side_connection
 from tests.integration.test_seams import Broker, deliver, status
 
 pytestmark = [
@@ -44,6 +47,17 @@ def session_ended(alias: str, pid: int) -> bool:
         return found.fetchone() is None
 
 
+def eventually(condition: Callable[[], bool], within: float = 30.0) -> bool:
+    """Whether ``condition()`` holds, waiting up to ``within`` seconds for it: a closed
+    session leaves ``pg_stat_activity`` when its server process has exited."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def run_one(broker: Broker, value: str) -> str:
     """Publish and deliver one ``seams.step``; return its task id."""
     result = broker.app.signature("seams.step", (value,)).apply_async()
@@ -57,7 +71,7 @@ def test_grant_and_success__one_kept_session_across_tasks_none_on_djangos(
 ) -> None:
     """Two executions: each is two statements (grant; proof, release and result row) on
     the same kept session, and Django's connection is not opened for them."""
-    kept = store.kept_connection(pg)
+    kept = store.kept_connection(pg, DELIVERED)
     assert kept is not None
     pid = backend_pid(kept)
     connections[pg].close()
@@ -75,13 +89,12 @@ def test_session_ended_while_idle__replaced_before_the_next_grant(broker: Broker
     sees it (its socket has something to read), opens a new one and runs at once, with
     no database-error retry of the job."""
     run_one(broker, "a")
-    kept = store.kept_connection(pg)
+    kept = store.kept_connection(pg, DELIVERED)
     assert kept is not None
     pid = backend_pid(kept)
     with side_connection(pg) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", [pid])
-    while not session_ended(pg, pid):
-        threading.Event().wait(0.01)
+    assert eventually(lambda: session_ended(pg, pid))
     task_id = run_one(broker, "b")
     assert status(pg, task_id) == (states.SUCCESS, '"b@1"')
     assert len(broker.sent("seams.step")) == 2  # nothing sent again
@@ -92,17 +105,21 @@ def test_not_kept__off_eager_in_a_transaction_or_sqlite(
     broker: Broker, lease_db: str, settings: Any
 ) -> None:
     """Django's connection is used where a kept one would be wrong: the setting off, an
-    eager call (the caller's web thread), a transaction of the caller's, SQLite."""
+    eager or a direct call (the caller's web thread), a transaction of the caller's,
+    SQLite."""
     if lease_db != "postgres":
-        assert store.kept_connection(lease_db) is None
+        assert store.kept_connection(lease_db, DELIVERED) is None
         return
-    assert store.kept_connection(lease_db) is not None
-    eager = type("Request", (), {"is_eager": True})()
+    assert store.kept_connection(lease_db, DELIVERED) is not None
+    eager = SimpleNamespace(called_directly=False, is_eager=True)
     assert store.kept_connection(lease_db, eager) is None
+    direct = SimpleNamespace(called_directly=True, is_eager=False)
+    assert store.kept_connection(lease_db, direct) is None
+    assert store.kept_connection(lease_db, None) is None
     with transaction.atomic(using=lease_db):
-        assert store.kept_connection(lease_db) is None
+        assert store.kept_connection(lease_db, DELIVERED) is None
     settings.CELERY_FENCED_KEEP_CONNECTION = False
-    assert store.kept_connection(lease_db) is None
+    assert store.kept_connection(lease_db, DELIVERED) is None
     with CaptureQueriesContext(connections[lease_db]) as on_django:
         task_id = run_one(broker, "a")
     assert status(lease_db, task_id) == (states.SUCCESS, '"a@1"')
@@ -117,7 +134,7 @@ def test_close_all__closes_every_thread_and_ended_threads_are_closed_on_the_next
     opened: list[Any] = []
 
     def open_one() -> None:
-        kept = store.kept_connection(pg)
+        kept = store.kept_connection(pg, DELIVERED)
         backend_pid(kept)
         opened.append(kept)
 
@@ -128,7 +145,7 @@ def test_close_all__closes_every_thread_and_ended_threads_are_closed_on_the_next
     first, second = opened
     assert first.connection is None  # its thread ended: closed when the second opened
     assert second.connection is not None
-    mine = store.kept_connection(pg)
+    mine = store.kept_connection(pg, DELIVERED)
     backend_pid(mine)
     store.close_kept_connections()
     assert (second.connection, mine.connection) == (None, None)
@@ -138,14 +155,14 @@ def test_forked_child__opens_its_own_session_and_leaves_the_parents(pg: str) -> 
     """A child forked from a process with a kept session never uses or closes it
     (sharing a socket would mix two processes' statements; closing it ends the
     parent's session)."""
-    kept = store.kept_connection(pg)
+    kept = store.kept_connection(pg, DELIVERED)
     parent_pid = backend_pid(kept)
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child
         code = 1
         try:
-            own = store.kept_connection(pg)
+            own = store.kept_connection(pg, DELIVERED)
             code = 0 if own is not kept and backend_pid(own) != parent_pid else 2
             store.close_kept_connections()
         finally:
@@ -154,7 +171,7 @@ def test_forked_child__opens_its_own_session_and_leaves_the_parents(pg: str) -> 
     os.close(write)
     assert os.read(read, 1) == bytes([0])
     os.waitpid(child, 0)
-    assert store.kept_connection(pg) is kept
+    assert store.kept_connection(pg, DELIVERED) is kept
     assert backend_pid(kept) == parent_pid
     assert not session_ended(pg, parent_pid)
     with kept.cursor() as cursor:
@@ -174,3 +191,63 @@ def test_what_the_kept_session_writes__is_committed_at_once(broker: Broker, pg: 
         ).fetchone()
     assert row == (True, states.SUCCESS)
     assert Lease.objects.using(pg).get(task_id=task_id).completed_digest
+
+
+def sessions(alias: str) -> int:
+    """The sessions open on ``alias``'s database, but the one counting."""
+    with side_connection(alias) as admin:
+        found = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+        return int(found[0])
+
+
+def test_direct_call__leaves_no_session_in_the_callers_thread(broker: Broker, pg: str) -> None:
+    """A fenced task called as a function (a view, a script, a test) runs in the caller's
+    thread: once that thread closes Django's connections, as a request's end does, no
+    session of the grant is left open (one would keep a test database from being
+    dropped)."""
+    task = broker.app.tasks["seams.step"]
+    out: list[str] = []
+
+    def web_request() -> None:
+        out.append(task("direct"))
+        connections.close_all()
+
+    connections.close_all()
+    before = sessions(pg)
+    thread = threading.Thread(target=web_request)
+    thread.start()
+    thread.join()
+    assert out == ["direct@1"]
+    assert eventually(lambda: sessions(pg) == before), (sessions(pg), before)
+
+
+def test_django_pool__no_kept_connection(pg: str) -> None:
+    """Django's connection pool (``OPTIONS["pool"]``) already spares the handshake; a kept
+    connection would hold one of its slots for good, starving the task bodies."""
+    options = connections[pg].settings_dict.setdefault("OPTIONS", {})
+    options["pool"] = {"min_size": 1, "max_size": 2}
+    try:
+        assert store.kept_connection(pg, DELIVERED) is None
+    finally:
+        options.pop("pool")
+    assert store.kept_connection(pg, DELIVERED) is not None
+
+
+def test_idle_too_long__replaced_not_trusted(
+    broker: Broker, pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection idle past ``IDLE_REPLACED_AFTER`` may have been dropped silently by
+    a firewall (nothing to read on it): it is replaced before the next grant."""
+    from celery_fenced.store import owned
+
+    run_one(broker, "a")
+    pid = backend_pid(store.kept_connection(pg, DELIVERED))
+    run_one(broker, "b")  # within the idle limit: the same session
+    assert backend_pid(store.kept_connection(pg, DELIVERED)) == pid
+    monkeypatch.setattr(owned, "IDLE_REPLACED_AFTER", -1.0)  # any idleness is too long
+    task_id = run_one(broker, "c")
+    assert status(pg, task_id) == (states.SUCCESS, '"c@1"')
+    assert eventually(lambda: session_ended(pg, pid))
