@@ -53,6 +53,9 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
     limit = LIST_LIMIT if limit is None else limit
     if limit < 0:
         raise CommandFailed(f"--limit must be 0 (all) or more, got {limit}")
+    if options.get("pending"):
+        list_pending(io, options, limit)
+        return
     queryset = operations.leases(
         state=options.get("state"),
         task=options.get("task"),
@@ -79,6 +82,51 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
         for r in records
     ]
     for line in _table(("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
+        io.write(line)
+    if limit and len(records) == limit:
+        io.write(f"(first {limit}; --limit 0 lists all)")
+
+
+def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
+    """The outbox's pending jobs, oldest first: what the reclaimer sends again when due."""
+    from celery_fenced import store
+
+    rows = store.pending_rows(store.database_alias(options.get("database")), limit=limit or None)
+    records = [
+        {
+            "task_id": row.task_id,
+            "task_name": row.task_name,
+            "key": row.key,
+            "published_at": _iso(row.published_at),
+            "eta": _iso(row.eta),
+            "resend_at": _iso(row.resend_at),
+            "sends": row.sends,
+            "unsent": row.unsent,
+            "abandoned_at": _iso(row.abandoned_at),
+            "abandoned_reason": row.abandoned_reason,
+        }
+        for row in rows
+    ]
+    if options.get("json"):
+        io.write(json.dumps(records, indent=2))
+        return
+    if not records:
+        io.write("No pending jobs.")
+        return
+    table = [
+        (
+            str(r["task_id"]),
+            str(r["task_name"]),
+            str(r["key"] or "-"),
+            str(r["published_at"] or "-"),
+            str(r["resend_at"] or "-"),
+            str(r["sends"]),
+            "abandoned" if r["abandoned_at"] else "unsent" if r["unsent"] else "pending",
+        )
+        for r in records
+    ]
+    header = ("TASK ID", "TASK", "KEY", "PUBLISHED", "SENT AGAIN AT", "SENDS", "STATE")
+    for line in _table(header, table):
         io.write(line)
     if limit and len(records) == limit:
         io.write(f"(first {limit}; --limit 0 lists all)")
@@ -153,6 +201,7 @@ def release(io: IO, options: dict[str, Any]) -> None:
 
 # -- reclaim ---------------------------------------------------------------------------
 def reclaim(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced.outbox import resend_pending
     from celery_fenced.reclaim import reclaim_expired
 
     try:
@@ -171,6 +220,21 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
         io.write(line)
     verb = "would be handled" if options.get("dry_run") else "handled"
     io.write(f"{len(outcomes)} expired job{'s' if len(outcomes) != 1 else ''} {verb}.")
+    if options.get("dry_run"):
+        return
+    try:
+        resent = resend_pending(using=options.get("database"))
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+    for line in _table(
+        ("TASK ID", "TASK", "KEY", "ATTEMPT", "ACTION", "REASON"),
+        [
+            (o.task_id, o.task_name, o.key or "-", str(o.attempt), o.action, o.reason)
+            for o in resent
+        ],
+    ):
+        io.write(line)
+    io.write(f"{len(resent)} pending job{'s' if len(resent) != 1 else ''} never started: handled.")
 
 
 # -- prune -----------------------------------------------------------------------------

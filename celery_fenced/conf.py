@@ -21,7 +21,7 @@ from celery_fenced.exceptions import FencedConfigurationError
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
 #: what the audit trail records: the anomalies only, or every grant and release too
 EVENTS_CHOICES = ("anomalies", "all")
-TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim")
+TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim", "outbox")
 #: task name prefixes a glob pattern never selects (an exact name still does)
 NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
 
@@ -112,6 +112,8 @@ class TaskOptions:
     # record the job at acquire so the reclaimer can send it again; None: the default
     # rule, on for the default key only (an explicit key is reclaimed by its next acquirer)
     reclaim: bool | None = None
+    # record the job at publish (the outbox): sent on commit, sent again if never granted
+    outbox: bool = True
 
     def __post_init__(self) -> None:
         if self.reclaim is None:
@@ -137,6 +139,10 @@ class FencedSettings:
     #: a worker grants and stores successes on PostgreSQL over a connection of its own,
     #: kept open between tasks (:mod:`celery_fenced.store.owned`); False: Django's
     keep_connection: bool = True
+    #: record fenced jobs at publish and send them on commit (the outbox)
+    outbox: bool = True
+    #: seconds past its ETA (or its last sending) before a pending job is sent again
+    outbox_resend_after: float = 300.0
 
     @property
     def routine_events(self) -> bool:
@@ -168,6 +174,7 @@ class FencedSettings:
         renew_interval: object = None,
         key: object = None,
         reclaim: object = None,
+        outbox: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
         real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
@@ -188,8 +195,14 @@ class FencedSettings:
         chosen = validate_reclaim(reclaim, f"{where} reclaim")
         if chosen is None:
             chosen = self.reclaim
+        recorded = self.outbox if outbox is None else validate_bool(outbox, f"{where} outbox")
         return TaskOptions(
-            ttl=real_ttl, on_busy=busy, renew_interval=interval, key=key, reclaim=chosen
+            ttl=real_ttl,
+            on_busy=busy,
+            renew_interval=interval,
+            key=key,
+            reclaim=chosen,
+            outbox=recorded,
         )
 
 
@@ -346,6 +359,10 @@ def _load(app: Any) -> FencedSettings:
         duplicate_window=validate_ttl(raw["fenced_duplicate_window"], "fenced_duplicate_window"),
         events=validate_events(raw["fenced_events"], "fenced_events"),
         keep_connection=validate_bool(raw["fenced_keep_connection"], "fenced_keep_connection"),
+        outbox=validate_bool(raw["fenced_outbox"], "fenced_outbox"),
+        outbox_resend_after=validate_ttl(
+            raw["fenced_outbox_resend_after"], "fenced_outbox_resend_after"
+        ),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"
@@ -371,6 +388,7 @@ def _load(app: Any) -> FencedSettings:
             renew_interval=options.get("renew_interval"),
             key=options.get("key"),
             reclaim=options.get("reclaim"),
+            outbox=options.get("outbox"),
         )
     return settings
 

@@ -40,8 +40,9 @@ class FencedExecution:
     """The fencing of one task execution; mixed into task classes.
 
     Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
-    ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``); tasks fenced through
-    the ``fenced_tasks`` setting get them from there (``_fenced_config``).
+    ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``, ``lease_outbox``);
+    tasks fenced through the ``fenced_tasks`` setting get them from there
+    (``_fenced_config``).
     """
 
     lease_key: str | Callable[[tuple[Any, ...], dict[str, Any]], str] | None = None
@@ -49,6 +50,7 @@ class FencedExecution:
     lease_on_busy: str | None = None
     lease_renew_interval: float | None = None
     lease_reclaim: bool | None = None
+    lease_outbox: bool | None = None
     _fenced_config: dict[str, Any] | None = None
     #: the worker's request class: it tells the backend which pool process ended
     Request = "celery_fenced.requests:FencedRequest"
@@ -74,6 +76,7 @@ class FencedExecution:
             self.lease_renew_interval,
             self.lease_key,
             self.lease_reclaim,
+            self.lease_outbox,
         )
         kept = self.__dict__.get("_fenced_options_kept")
         if kept is not None and all(map(operator.is_, kept[0], sources)):
@@ -92,6 +95,7 @@ class FencedExecution:
                 renew_interval=config.get("renew_interval"),
                 key=config.get("key"),
                 reclaim=config.get("reclaim"),
+                outbox=config.get("outbox"),
             )
         return settings.task_options(
             f"task {self.name!r}",
@@ -100,6 +104,7 @@ class FencedExecution:
             renew_interval=self.lease_renew_interval,
             key=self.lease_key,
             reclaim=self.lease_reclaim,
+            outbox=self.lease_outbox,
         )
 
     @property
@@ -169,14 +174,50 @@ class FencedExecution:
 
         return isinstance(self.backend, FencedDatabaseBackend)  # type: ignore[attr-defined]
 
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        *more: Any,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``, through the outbox (``fenced_outbox``, on by default).
+
+        The job is recorded in the lease database, in the caller's transaction when one
+        is open there, and the message is sent when it commits (see
+        :mod:`celery_fenced.outbox`). Eager tasks (``task_always_eager``) and tasks with
+        ``lease_outbox = False`` are sent as Celery sends them.
+        """
+        plain = super().apply_async  # type: ignore[misc]
+        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
+            return plain(args, kwargs, task_id, *more, **options)
+        from celery.utils import uuid
+
+        from celery_fenced import outbox
+
+        chosen = task_id or uuid()
+        return outbox.publish(
+            self, args, kwargs, chosen, options, lambda: plain(args, kwargs, chosen, **options)
+        )
+
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, sent only while this execution's token is proven current.
 
         The retry message is sent inside a ``guard()`` of the held lease: a stale
-        execution sends none (it gets :class:`StaleToken`).
+        execution sends none (it gets :class:`StaleToken`). ``Retry`` is raised once the
+        guard has committed: the outbox sends the message on that commit.
         """
+        throw = kwargs.pop("throw", True)
+        if len(args) > 3:  # retry(args, kwargs, exc, throw, ...)
+            throw, args = args[3], (*args[:3], False, *args[4:])
+        else:
+            kwargs["throw"] = False
         with self._proven():
-            return super().retry(*args, **kwargs)  # type: ignore[misc]
+            retried = super().retry(*args, **kwargs)  # type: ignore[misc]
+        if throw:
+            raise retried
+        return retried
 
     def replace(self, sig: Signature) -> Any:
         """Celery's ``replace``, sent only while this execution's token is proven current.
@@ -257,6 +298,7 @@ class FencedExecution:
                 renew_interval=options.renew_interval,
                 job=job,
                 delivery=delivery,
+                ends_pending=options.outbox and bool(task_id),
             )
         except AlreadyCompleted:
             store.record_duplicate(

@@ -33,6 +33,7 @@ def connect() -> None:
         on_process_shutdown, weak=False, dispatch_uid="celery_fenced.shutdown"
     )
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="celery_fenced.ready")
+    signals.task_revoked.connect(on_task_revoked, weak=False, dispatch_uid="celery_fenced.revoked")
     from celery.contrib.testing.worker import test_worker_stopped
 
     test_worker_stopped.connect(
@@ -213,6 +214,23 @@ def on_process_shutdown(**kwargs: Any) -> None:
         except Exception:
             logger.warning("could not release %r at shutdown", lease.key, exc_info=True)
     store.close_kept_connections()
+
+
+def on_task_revoked(request: Any = None, sender: Any = None, **kwargs: Any) -> None:
+    """A revoked (or expired) job is never sent again: its pending row ends here.
+
+    Sent by the worker that discarded the message (or terminated the execution).
+    """
+    from celery_fenced import store
+    from celery_fenced.execution import FencedExecution
+
+    task_id = getattr(request, "id", None)
+    if not task_id or not isinstance(sender, FencedExecution):
+        return
+    try:
+        store.forget_pending(store.database_alias(), task_id)
+    except Exception:
+        logger.warning("could not end the pending row of revoked task %s", task_id, exc_info=True)
 
 
 def on_test_worker_stopped(**kwargs: Any) -> None:

@@ -133,6 +133,48 @@ class Completion(models.Model):
         return f"{self.digest} (retries {self.retries})"
 
 
+class PendingJob(models.Model):
+    """A fenced job published but not yet granted: what the outbox sends again if lost.
+
+    Written by ``apply_async`` (in the caller's transaction when one is open on the lease
+    database; the message goes to the broker when it commits) and deleted by the
+    statement that grants the job's lease (or finds its key busy), so a job is always in
+    one place: pending here, granted on its lease row, or finished. The reclaimer sends
+    a row again when ``resend_at`` has passed (``fenced_outbox_resend_after`` after the
+    job's ETA or its last sending).
+    """
+
+    task_id = models.CharField(max_length=255, unique=True)
+    task_name = models.CharField(max_length=255)
+    key = models.CharField(
+        max_length=KEY_MAX_LENGTH, blank=True, default="", help_text="The job's lease key."
+    )
+    job = models.TextField(help_text="The job as JSON: task, args, kwargs and routing.")
+    published_at = models.DateTimeField(help_text="When it was recorded (the database's clock).")
+    eta = models.DateTimeField(null=True, blank=True, help_text="Not to run before this.")
+    expires_at = models.DateTimeField(
+        null=True, blank=True, help_text="Celery's expires: never sent again after this."
+    )
+    resend_at = models.DateTimeField(help_text="When the reclaimer sends it again, if still here.")
+    sends = models.IntegerField(default=0, help_text="Times the reclaimer sent it again.")
+    unsent = models.BooleanField(
+        default=False, help_text="The broker refused the first sending (sent again at once)."
+    )
+    abandoned_at = models.DateTimeField(
+        null=True, blank=True, help_text="Given up after fenced_reclaim_max sendings."
+    )
+    abandoned_reason = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        verbose_name = "pending job"
+        indexes = [
+            models.Index(fields=["resend_at"], name="celery_fenced_pending_due"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.task_name}[{self.task_id}]"
+
+
 class LeaseEvent(models.Model):
     """The audit trail of a key: grants, releases, losses and rejected writes."""
 

@@ -162,7 +162,8 @@ def prune_events(
     The completed-duplicate check of fenced tasks does not read events (it reads the
     lease rows' completion markers, kept for ``fenced_duplicate_window``): pruning
     events never lets a redelivered job run again. The moved markers of jobs completed
-    before that window are deleted too (:func:`prune_completions`).
+    before that window are deleted too (:func:`prune_completions`), and the outbox's
+    pending jobs abandoned before the cutoff.
     """
     if not older_than_days > 0:
         raise ValueError(f"older_than_days must be greater than 0, got {older_than_days!r}")
@@ -172,6 +173,7 @@ def prune_events(
     cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
     deleted = store.delete_events_before(alias, cutoff, batch_size=batch_size, progress=progress)
     prune_completions(using=alias)
+    store.delete_abandoned_before(alias, cutoff)
     return deleted
 
 

@@ -366,5 +366,12 @@ def _preview(
 
 @shared_task(name="celery_fenced.reclaim", bind=True, ignore_result=True)
 def reclaim_task(self: Task[Any, Any]) -> int:
-    """The periodic reclaimer: ``{"task": "celery_fenced.reclaim", "schedule": 5.0}``."""
-    return sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
+    """The periodic reclaimer: ``{"task": "celery_fenced.reclaim", "schedule": 5.0}``.
+
+    It sends again the jobs whose lease expired unfinished, and the published jobs no
+    worker ever started (the outbox: :func:`celery_fenced.outbox.resend_pending`).
+    """
+    from celery_fenced.outbox import resend_pending
+
+    expired = sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
+    return expired + sum(1 for o in resend_pending(self.app) if o.action == "resent")

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 from django.db import DatabaseError, connections
 
 from celery_fenced.exceptions import FencedConfigurationError
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
 
-TABLES = (Lease._meta.db_table, LeaseEvent._meta.db_table)
+TABLES = (Lease._meta.db_table, LeaseEvent._meta.db_table, PendingJob._meta.db_table)
 
 
 #: the driver's code for "no such table": PostgreSQL's SQLSTATE, MySQL's error number

@@ -38,6 +38,9 @@ def validate_task_class(cls: type) -> None:
     reclaim = cls.__dict__.get("lease_reclaim")
     if reclaim is not None:
         conf.validate_reclaim(reclaim, f"{where} option lease_reclaim")
+    outbox = cls.__dict__.get("lease_outbox")
+    if outbox is not None:
+        conf.validate_bool(outbox, f"{where} option lease_outbox")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

@@ -1,4 +1,5 @@
-"""Django admin for leases and their audit trail: read-only, fast on large tables.
+"""Django admin for leases, their audit trail and the outbox's pending jobs: read-only,
+fast on large tables.
 
 Nothing here writes to the lease tables through the ORM: the force-release action and
 button call :func:`celery_fenced.operations.force_release` (that is,
@@ -11,12 +12,14 @@ from __future__ import annotations
 from celery_fenced.admin.display import badge, short_id, when
 from celery_fenced.admin.events import LeaseEventAdmin
 from celery_fenced.admin.leases import BULK_LIMIT, EVENTS_PER_PAGE, LeaseAdmin
+from celery_fenced.admin.pending import PendingJobAdmin
 
 __all__ = [
     "BULK_LIMIT",
     "EVENTS_PER_PAGE",
     "LeaseAdmin",
     "LeaseEventAdmin",
+    "PendingJobAdmin",
     "badge",
     "short_id",
     "when",

@@ -15,6 +15,7 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
 from celery_fenced.store.dialects.records import Completed, Delivery, GrantRequest, Holder
 from celery_fenced.store.held import HeldLease
+from celery_fenced.store.outbox import forget_pending
 from celery_fenced.store.validation import (
     database_alias,
     default_owner,
@@ -39,6 +40,7 @@ def acquire(
     job: str | None = None,
     delivery: Delivery | None = None,
     connection: BaseDatabaseWrapper | None = None,
+    ends_pending: bool = False,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -55,6 +57,8 @@ def acquire(
     SUCCESS, FAILURE (or REPLACED) marks it completed.
 
     ``connection``: the connection to send the grant on (default: Django's for the alias).
+    ``ends_pending``: the grant, a busy key or a completed duplicate ends ``task_id``'s
+    pending row (:mod:`celery_fenced.store.outbox`), in the granting statement.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
@@ -66,9 +70,22 @@ def acquire(
     sent = time.monotonic()
     with tables_required(alias):
         outcome = dialects.for_alias(alias, connection=connection).acquire(
-            GrantRequest(key, seconds, owner, task_id, task_name, job, delivery, window, routine)
+            GrantRequest(
+                key,
+                seconds,
+                owner,
+                task_id,
+                task_name,
+                job,
+                delivery,
+                window,
+                routine,
+                ends_pending and bool(task_id),
+            )
         )
     if isinstance(outcome, Completed):
+        if ends_pending and task_id:
+            forget_pending(alias, task_id)
         raise AlreadyCompleted(key, task_id, outcome.retries)
     if isinstance(outcome, Holder):
         signals.send(

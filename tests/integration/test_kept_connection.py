@@ -58,12 +58,22 @@ def eventually(condition: Callable[[], bool], within: float = 30.0) -> bool:
     return True
 
 
+def publish(broker: Broker, value: str) -> str:
+    """Publish one ``seams.step``; return its task id."""
+    return str(broker.app.signature("seams.step", (value,)).apply_async().id)
+
+
+def deliver_id(broker: Broker, task_id: str) -> None:
+    """Deliver the message of ``task_id`` through Celery's tracer."""
+    (message,) = [m for m in broker.sent("seams.step") if m[0]["id"] == task_id]
+    deliver(broker.app, message)
+
+
 def run_one(broker: Broker, value: str) -> str:
     """Publish and deliver one ``seams.step``; return its task id."""
-    result = broker.app.signature("seams.step", (value,)).apply_async()
-    (message,) = [m for m in broker.sent("seams.step") if m[0]["id"] == result.id]
-    deliver(broker.app, message)
-    return str(result.id)
+    task_id = publish(broker, value)
+    deliver_id(broker, task_id)
+    return task_id
 
 
 def test_grant_and_success__one_kept_session_across_tasks_none_on_djangos(
@@ -74,9 +84,11 @@ def test_grant_and_success__one_kept_session_across_tasks_none_on_djangos(
     kept = store.kept_connection(pg, DELIVERED)
     assert kept is not None
     pid = backend_pid(kept)
+    first, second = publish(broker, "a"), publish(broker, "b")  # the outbox: Django's
     connections[pg].close()
     with CaptureQueriesContext(kept) as on_kept:
-        first, second = run_one(broker, "a"), run_one(broker, "b")
+        deliver_id(broker, first)
+        deliver_id(broker, second)
     assert connections[pg].connection is None  # never opened
     assert backend_pid(kept) == pid
     assert len(on_kept.captured_queries) == 4, [q["sql"] for q in on_kept.captured_queries]

@@ -45,6 +45,11 @@ class Command(BaseCommand):
             help="At most this many rows (0: all).",
         )
         listing.add_argument("--json", action="store_true", help=JSON_HELP)
+        listing.add_argument(
+            "--pending",
+            action="store_true",
+            help="List the outbox's pending jobs instead: published, never started by a worker.",
+        )
 
         show = subcommand("show", "Show one lease and its recent events.")
         show.add_argument("key", metavar="KEY", help="The lease key.")

@@ -22,6 +22,7 @@ from celery_fenced.store.dialects.records import (
     Grant,
     GrantRequest,
     Holder,
+    Pending,
     Renewal,
 )
 
@@ -167,6 +168,11 @@ class Dialect(abc.ABC):
     @abc.abstractmethod
     def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
         """The ``resent`` event of a claim whose job was sent again."""
+
+    # -- the outbox ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def record_pending(self, pending: Pending) -> None:
+        """Write (or, for the same task id, start afresh) the pending row of a published job."""
 
     # -- events and sizes ----------------------------------------------------------------
     @abc.abstractmethod

@@ -10,6 +10,7 @@ from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
     LEASE,
+    PENDING,
     RESULT,
     RESULT_COLUMNS,
     SQL_ABANDONED,
@@ -127,11 +128,22 @@ class PostgreSQL(SQLDialect):
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_BUSY}, token, %s, %s, statement_timestamp(),
                            jsonb_build_object('holder', owner)
-                    FROM holder)
+                    FROM holder){self._end_pending(granted=False) if request.ends_pending else ""}
                 SELECT token, owner, expires_at, remaining FROM holder""",
-            [key, task_id, owner],
+            [key, task_id, owner, *([task_id] if request.ends_pending else [])],
         )
         return holder_of(rows)
+
+    def _end_pending(self, *, granted: bool) -> str:
+        """A CTE ending the task id's pending row (the outbox; parameter: the task id).
+
+        ``granted``: only if the statement's ``granted`` CTE granted — the job is then
+        pending or granted, never neither. A busy key ends it unconditionally: the job
+        is skipped, failed, or retried (and recorded again by its retry).
+        """
+        only_granted = "AND EXISTS (SELECT 1 FROM granted)" if granted else ""
+        return f""",
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s {only_granted})"""
 
     def _routine_grant(self, request: GrantRequest) -> Grant | None:
         """The grant of a new or released key: the upsert alone, without the takeover's event.
@@ -150,6 +162,13 @@ class PostgreSQL(SQLDialect):
         )
         if request.routine_events:
             rows = self._grant_with_event(grant, params, request)
+        elif request.ends_pending:
+            rows = self._fetch(
+                f"""WITH granted AS ({grant}){self._end_pending(granted=True)}
+                    SELECT id, token, expires_at, reclaimed_from, completed_digest
+                    FROM granted""",
+                [*params, request.task_id],
+            )
         else:
             rows = self._fetch(grant, params)
         return _grant(rows[0]) if rows else None
@@ -232,9 +251,18 @@ class PostgreSQL(SQLDialect):
                                'previous_token', token - 1,
                                'previous_acquired_at',
                                (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
-                    FROM granted WHERE reclaimed_from <> '' OR %s)
+                    FROM granted WHERE reclaimed_from <> '' OR %s){
+                self._end_pending(granted=True) if request.ends_pending else ""
+            }
                 SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
-            [*params, request.task_id, request.owner, request.key, request.routine_events],
+            [
+                *params,
+                request.task_id,
+                request.owner,
+                request.key,
+                request.routine_events,
+                *([request.task_id] if request.ends_pending else []),
+            ],
         )
 
     RELEASES_WITH_RESULT = True

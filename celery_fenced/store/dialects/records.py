@@ -10,11 +10,12 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 from django_celery_results.models import TaskResult
 
-from celery_fenced.models import Completion, Lease, LeaseEvent
+from celery_fenced.models import Completion, Lease, LeaseEvent, PendingJob
 
 LEASE = Lease._meta.db_table
 EVENT = LeaseEvent._meta.db_table
 COMPLETION = Completion._meta.db_table
+PENDING = PendingJob._meta.db_table
 RESULT = TaskResult._meta.db_table
 
 #: django-celery-results' result row as a fenced success writes it in the statement that
@@ -140,6 +141,8 @@ class GrantRequest:
     window: float = 0.0
     #: record an ``acquired`` event (``fenced_events="all"``); a takeover is always recorded
     routine_events: bool = False
+    #: the grant (or a busy key) ends the task id's pending row (the outbox)
+    ends_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,3 +254,20 @@ def holder_of(rows: Sequence[Sequence[Any]]) -> Holder:
         return Holder(0, "", dt.datetime.now(dt.timezone.utc), 0.0)
     token, owner, expires_at, remaining = rows[0]
     return Holder(token, owner, aware(expires_at), float(remaining))
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What a publish records: the job and when it is due to be sent again."""
+
+    task_id: str
+    task_name: str
+    key: str
+    job: str
+    #: seconds from now the job may run (its countdown), or None
+    countdown: float | None
+    #: the job's absolute ETA, or None
+    eta: dt.datetime | None
+    #: seconds from now after which it is never sent again, or an absolute time, or None
+    expires: float | dt.datetime | None
+    resend_after: float

@@ -7,12 +7,13 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import F, Q
-from django.db.models.functions import Greatest
+from django.db.models.functions import Greatest, Now
 
-from celery_fenced.models import Lease, LeaseEvent, ReclaimState
+from celery_fenced.models import Lease, LeaseEvent, PendingJob, ReclaimState
 from celery_fenced.store.dialects.base import Dialect
 from celery_fenced.store.dialects.records import (
     Claim,
+    Pending,
 )
 
 Kind = LeaseEvent.Kind
@@ -21,6 +22,33 @@ Kind = LeaseEvent.Kind
 class PortableOperations(Dialect):
     """Operations every dialect takes from here: small reads and one-row updates of the
     reclaimer's bookkeeping, where a database's own SQL would gain nothing."""
+
+    def record_pending(self, pending: Pending) -> None:
+        """The outbox's row of a published job, written or replaced (same task id)."""
+        countdown = dt.timedelta(seconds=pending.countdown or 0.0)
+        eta = pending.eta if pending.eta is not None else Now() + countdown
+        expires = pending.expires
+        values = {
+            "task_name": pending.task_name[:255],
+            "key": pending.key,
+            "job": pending.job,
+            "published_at": Now(),
+            "eta": eta if pending.eta is not None or pending.countdown else None,
+            "expires_at": (
+                Now() + dt.timedelta(seconds=expires)
+                if isinstance(expires, int | float)
+                else expires
+            ),
+            "resend_at": eta + dt.timedelta(seconds=pending.resend_after),
+            "sends": 0,
+            "unsent": False,
+            "abandoned_at": None,
+            "abandoned_reason": "",
+        }
+        rows = PendingJob._default_manager.using(self.alias)
+        with transaction.atomic(using=self.alias):
+            if not rows.filter(task_id=pending.task_id).update(**values):
+                rows.create(task_id=pending.task_id, **values)
 
     def _event(
         self,

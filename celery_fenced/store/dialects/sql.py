@@ -12,10 +12,12 @@ from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
     LEASE,
+    PENDING,
     SQL_STATE_ABANDONED,
     SQL_STATE_RESENT,
     Delivery,
     GrantRequest,
+    Pending,
     Renewal,
     aware,
     completes,
@@ -32,6 +34,52 @@ class SQLDialect(PortableOperations):
     @abc.abstractmethod
     def expiry(self, ttl_sql: str) -> str:
         """SQL for the database's clock plus ``ttl_sql`` seconds."""
+
+    def record_pending(self, pending: Pending) -> None:
+        """The outbox's row of a published job: one ``INSERT … ON CONFLICT DO UPDATE``.
+
+        Its times by the database's clock: ``resend_at`` is the ETA (absolute, or now
+        plus the countdown) plus ``resend_after``; a re-publish of the task id (a retry)
+        starts the row afresh.
+        """
+        adapt = self.connection.ops.adapt_datetimefield_value
+        expires, eta = pending.expires, pending.eta
+        relative_expiry = isinstance(expires, int | float)
+        expiry_param = (
+            self.ttl_param(expires) if isinstance(expires, int | float) else adapt(expires)
+        )
+        self._fetch(
+            f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
+                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason)
+                VALUES (%s, %s, %s, %s, {self.NOW},
+                        {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
+                        {self.expiry("%s") if relative_expiry else "%s"},
+                        {"%s" if eta is not None else self.expiry("%s")},
+                        0, %s, NULL, '')
+                ON CONFLICT (task_id) DO UPDATE SET
+                    task_name = excluded.task_name, key = excluded.key, job = excluded.job,
+                    published_at = excluded.published_at, eta = excluded.eta,
+                    expires_at = excluded.expires_at, resend_at = excluded.resend_at,
+                    sends = 0, unsent = excluded.unsent, abandoned_at = NULL,
+                    abandoned_reason = ''
+                RETURNING id""",
+            [
+                pending.task_id,
+                pending.task_name[:255],
+                pending.key,
+                pending.job,
+                adapt(eta)
+                if eta is not None
+                else self.ttl_param(pending.countdown)
+                if pending.countdown
+                else None,
+                expiry_param,
+                adapt(eta + dt.timedelta(seconds=pending.resend_after))
+                if eta is not None
+                else self.ttl_param((pending.countdown or 0.0) + pending.resend_after),
+                False,
+            ],
+        )
 
     def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         with self.connection.cursor() as cursor:

@@ -12,6 +12,7 @@ from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
     LEASE,
+    PENDING,
     RESULT,
     Claim,
     Completed,
@@ -88,6 +89,8 @@ class SQLite(SQLDialect):
         )
         unless_completed, params = self._grant_params(request)
         with transaction.atomic(using=self.alias):
+            if request.ends_pending:  # granted, busy or a duplicate: no longer pending
+                self._fetch(f"DELETE FROM {PENDING} WHERE task_id = %s", [task_id])
             # the previous grant's start, for a takeover's event: read by a write that
             # changes nothing, so the transaction holds the write lock from its first
             # statement (a read's shared lock cannot always be upgraded: "database is

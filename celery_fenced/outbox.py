@@ -1,0 +1,277 @@
+"""The outbox: a fenced job is recorded in the lease database when it is published.
+
+``apply_async`` (and ``delay``) of a fenced task writes a pending row
+(:class:`~celery_fenced.models.PendingJob`) holding what is needed to send the job
+again, in the caller's transaction when one is open on the lease database, and sends the
+message when that transaction commits: a rolled-back transaction sends nothing and
+leaves nothing. The statement that grants the job's lease deletes the row, so a job is
+pending, granted or finished, never nowhere. The reclaimer sends again a row that no
+worker granted ``fenced_outbox_resend_after`` seconds past its ETA (or its last sending),
+with the same task id: a job lost by the broker (a worker killed between popping a
+message and recording it, a broker restarted without persistence, a broker down at
+publish time) still runs, once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, connections, transaction
+
+from celery_fenced import keys, reclaim, signals
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.result import AsyncResult
+
+    from celery_fenced import store
+    from celery_fenced.execution import FencedExecution
+
+logger = logging.getLogger(__name__)
+
+
+def publish(
+    task: FencedExecution,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    task_id: str,
+    options: Mapping[str, Any],
+    send: Callable[[], AsyncResult[Any]],
+) -> AsyncResult[Any]:
+    """Record the job of ``task`` and ``send()`` it when the lease database commits.
+
+    Returns the job's result handle at once. A broker that refuses the message does not
+    lose the job: the row stands, the failure is logged, and the reclaimer's next sweep
+    sends it (the caller is not told with an error: in a web request the transaction that
+    recorded the job has committed, and a retried request would publish it twice).
+    """
+    from celery_fenced import conf, store
+
+    settings = conf.load(task.app)
+    alias = store.database_alias()
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    job = _encoded(task, args, kwargs, task_id, options)
+    if job is None:
+        return send()
+    pending = store.Pending(
+        task_id=task_id,
+        task_name=task.name,
+        key=_key(task, args, kwargs),
+        job=job,
+        countdown=_seconds(options.get("countdown")),
+        eta=_moment(options.get("eta")),
+        expires=_expiry(options.get("expires")),
+        resend_after=settings.outbox_resend_after,
+    )
+    in_transaction = connections[alias].in_atomic_block
+    try:
+        store.record_pending(alias, pending)
+    except DatabaseError as exc:
+        if in_transaction:
+            raise  # the caller's transaction failed: nothing of it stands, nor this job
+        logger.warning(
+            "task %s[%s]: the outbox could not record the job (%s); sent without it",
+            task.name,
+            task_id,
+            exc,
+            extra={"task_id": task_id},
+        )
+        return send()
+
+    def send_recorded() -> None:
+        try:
+            send()
+        except Exception as exc:
+            logger.warning(
+                "task %s[%s]: recorded, but the broker refused it (%r); the reclaimer sends it",
+                task.name,
+                task_id,
+                exc,
+                extra={"task_id": task_id},
+            )
+            try:
+                store.mark_unsent(alias, task_id)
+            except DatabaseError:
+                logger.info("could not mark %s unsent", task_id, exc_info=True)
+
+    transaction.on_commit(send_recorded, using=alias)
+    result: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
+    return result
+
+
+def _encoded(
+    task: FencedExecution,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: Mapping[str, Any],
+) -> str | None:
+    """The job as the reclaimer sends it again, or None when JSON cannot carry it."""
+    kept = {
+        name: value
+        for name, value in options.items()
+        if name in reclaim.OPTION_NAMES and value is not None and name != "expires"
+    }
+    expires = _expiry(options.get("expires"))
+    if expires is not None:  # absolute: a later sending keeps the first one's deadline
+        kept["expires"] = (
+            expires
+            if isinstance(expires, dt.datetime)
+            else task.app.now() + dt.timedelta(seconds=expires)
+        ).isoformat()
+    try:
+        return reclaim.encode_job(reclaim.Job(task.name, args, kwargs, kept))
+    except Exception as exc:
+        logger.warning(
+            "task %s[%s]: its job cannot be recorded as JSON (%s); sent without the outbox",
+            task.name,
+            task_id,
+            exc,
+            extra={"task_id": task_id},
+        )
+        return None
+
+
+def _key(task: FencedExecution, args: list[Any], kwargs: dict[str, Any]) -> str:
+    """The job's lease key, shown with the pending row; empty when the arguments give none."""
+    try:
+        return keys.render_key(task.name, task.fenced_options().key, task.run, args, kwargs)
+    except Exception:
+        return ""  # the execution reports it, with the arguments it was given
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _moment(value: Any) -> dt.datetime | None:
+    """An ETA or expiry time as an aware datetime (naive: UTC, as Celery reads it)."""
+    if isinstance(value, str):
+        try:
+            value = dt.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
+
+
+def _expiry(value: Any) -> float | dt.datetime | None:
+    return _seconds(value) if _moment(value) is None else _moment(value)
+
+
+# -- sending again (the reclaimer) -------------------------------------------------------
+@dataclass(frozen=True)
+class Resent:
+    """What the reclaimer did with one pending job that no worker had granted."""
+
+    task_id: str
+    task_name: str
+    key: str
+    attempt: int  # sendings by the reclaimer so far (this one included)
+    action: str  # "resent", "abandoned", or "failed" (not sent; the next sweep retries)
+    reason: str = ""
+
+
+def resend_pending(
+    app: Celery | None = None, *, using: str | None = None, limit: int = 100
+) -> list[Resent]:
+    """Send again every pending job due (``fenced_outbox_resend_after`` past its ETA or
+    its last sending) with its task id; abandon it after ``fenced_reclaim_max`` sendings.
+
+    Expired jobs (``expires`` passed) are deleted, never sent. Each row is claimed by a
+    conditional statement, so several reclaimers send each due job once.
+    """
+    from celery_fenced import conf, store
+
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    settings = conf.load(app)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
+    alias = store.database_alias(using)
+    outcomes: list[Resent] = []
+    while True:
+        claimed, more = store.claim_due(
+            alias, resend_after=settings.outbox_resend_after, limit=limit
+        )
+        batch = [_send_again(app, alias, due, settings.reclaim_max) for due in claimed]
+        outcomes += batch
+        if not more or any(o.action == "failed" for o in batch):
+            return outcomes
+
+
+def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Resent:
+    from celery_fenced import store
+    from celery_fenced.models import Lease
+
+    extra = {"task_id": due.task_id, "lease_key": due.key}
+
+    def outcome(action: str, reason: str = "") -> Resent:
+        return Resent(due.task_id, due.task_name, due.key, due.sends, action, reason)
+
+    def abandoned(reason: str) -> Resent:
+        logger.error(
+            "pending job %s[%s] abandoned: %s", due.task_name, due.task_id, reason, extra=extra
+        )
+        store.abandon_pending(alias, due, reason)
+        signals.send(
+            signals.lease_abandoned,
+            Lease,
+            key=due.key,
+            token=None,
+            owner="",
+            task_id=due.task_id,
+            reason=reason,
+        )
+        return outcome("abandoned", reason)
+
+    if due.sends > max_sends:
+        return abandoned(f"never started after {max_sends} re-sends")
+    try:
+        job = reclaim.decode_job(due.job)
+    except ValueError as exc:
+        return abandoned(f"unreadable job: {exc}")
+    try:
+        app.send_task(
+            job.task,
+            args=job.args,
+            kwargs=job.kwargs,
+            task_id=due.task_id,
+            add_to_parent=False,
+            **job.options,
+        )
+    except Exception as exc:
+        logger.warning(
+            "pending job %s[%s]: could not send it again (%r); the next sweep retries",
+            due.task_name,
+            due.task_id,
+            exc,
+            extra=extra,
+        )
+        store.unclaim_due(alias, due)
+        return outcome("failed", repr(exc))
+    logger.warning(
+        "pending job %s[%s] was never started: sent again (attempt %d of %d)",
+        due.task_name,
+        due.task_id,
+        due.sends,
+        max_sends,
+        extra=extra,
+    )
+    signals.send(
+        signals.lease_resent,
+        Lease,
+        key=due.key,
+        token=None,
+        owner="",
+        task_id=due.task_id,
+        attempt=due.sends,
+    )
+    return outcome("resent")

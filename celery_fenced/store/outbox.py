@@ -1,0 +1,104 @@
+"""The outbox's rows: fenced jobs published and not yet granted (``PendingJob``).
+
+Recorded at publish, deleted by the grant (see the dialects), sent again by the
+reclaimer when due. Times are the database's: ``resend_at`` is computed by the insert.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from django.db.models import F
+from django.db.models.functions import Now
+
+from celery_fenced.models import PendingJob
+from celery_fenced.store import dialects
+from celery_fenced.store.dialects.records import Pending as Pending
+from celery_fenced.tables import tables_required
+
+
+@dataclass(frozen=True)
+class Due:
+    """A pending job the reclaimer claimed: send it again (``sends`` is this sending's)."""
+
+    id: int
+    task_id: str
+    task_name: str
+    key: str
+    job: str
+    sends: int
+
+
+def record_pending(alias: str, pending: Pending) -> None:
+    """Insert (or, for the same task id, replace) the pending row of a published job.
+
+    One statement where the database can (PostgreSQL, SQLite), in the caller's
+    transaction when one is open on ``alias``.
+    """
+    with tables_required(alias):
+        dialects.for_alias(alias).record_pending(pending)
+
+
+def mark_unsent(alias: str, task_id: str) -> None:
+    """The broker refused the job's sending: the reclaimer's next sweep sends it."""
+    PendingJob.objects.using(alias).filter(task_id=task_id).update(unsent=True, resend_at=Now())
+
+
+def forget_pending(alias: str, task_id: str) -> int:
+    """Delete the pending row of ``task_id`` (revoked, or expired in the worker)."""
+    deleted, _ = PendingJob.objects.using(alias).filter(task_id=task_id).delete()
+    return deleted
+
+
+def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due], bool]:
+    """Claim up to ``limit`` pending jobs due to be sent again; expired ones are deleted.
+
+    Each row is claimed by a conditional ``UPDATE`` on the sendings count it was read
+    with (still due), so several reclaimers send each due job once. Returns the claims
+    and whether more may be due (``limit`` rows were read).
+    """
+    rows = PendingJob.objects.using(alias)
+    rows.filter(expires_at__lte=Now()).delete()  # Celery would revoke it on arrival
+    due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True)
+    candidates = list(
+        due.order_by("resend_at").values_list("id", "task_id", "task_name", "key", "job", "sends")[
+            :limit
+        ]
+    )
+    claimed = []
+    for row_id, task_id, task_name, key, job, sends in candidates:
+        won = due.filter(id=row_id, sends=sends).update(
+            sends=F("sends") + 1,
+            unsent=False,
+            resend_at=Now() + dt.timedelta(seconds=resend_after),
+        )
+        if won:
+            claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1))
+    return claimed, len(candidates) == limit
+
+
+def unclaim_due(alias: str, due: Due) -> None:
+    """The claimed sending failed: due again at once, its count as before."""
+    PendingJob.objects.using(alias).filter(id=due.id, sends=due.sends).update(
+        sends=F("sends") - 1, resend_at=Now()
+    )
+
+
+def abandon_pending(alias: str, due: Due, reason: str) -> None:
+    """Give up on a pending job: kept, with why, for the admin (pruned later)."""
+    PendingJob.objects.using(alias).filter(id=due.id).update(
+        abandoned_at=Now(), abandoned_reason=reason[:255]
+    )
+
+
+def pending_rows(alias: str, *, limit: int | None = 100) -> list[PendingJob]:
+    """The pending jobs, oldest first (``fenced list --pending``; ``limit`` None: all)."""
+    rows = PendingJob.objects.using(alias).order_by("published_at", "id")
+    return list(rows if limit is None else rows[:limit])
+
+
+def delete_abandoned_before(alias: str, before: dt.datetime) -> int:
+    """Prune: delete the jobs abandoned before ``before``."""
+    deleted, _ = PendingJob.objects.using(alias).filter(abandoned_at__lt=before).delete()
+    return deleted

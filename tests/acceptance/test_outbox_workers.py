@@ -1,0 +1,140 @@
+"""The outbox (issue 17) with real `celery worker` processes on Redis.
+
+Jobs are published through the fenced task's own ``apply_async`` in this process (the
+publisher: a web request, say); the workers take them from Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import pytest
+import redis
+from django.db import transaction
+from django_celery_results.models import TaskResult
+
+from celery_fenced.models import Lease, PendingJob
+from celery_fenced.outbox import resend_pending
+from devtools.workers import broker_app, wait_for
+from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_outbox import rolled_back
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.workers,
+    pytest.mark.timeout(240),
+]
+
+PROBE = "testproject.demo.tasks.probe"
+
+
+def publishing_app(broker_url: str) -> Any:
+    """An app of the test project publishing to ``broker_url`` (close it after)."""
+    import testproject.demo.tasks  # noqa: F401 - registers the demo's tasks
+
+    return broker_app(broker_url)
+
+
+@pytest.fixture
+def publisher(lease_db: str) -> Any:
+    """The test project's app, publishing to the suite's Redis; leases on ``lease_db``."""
+    app = publishing_app(os.environ["FENCED_REDIS_URL"])
+    yield app
+    app.close()
+
+
+def finished(alias: str, task_id: str, timeout: float = 90) -> str:
+    row = wait_for(
+        lambda: (
+            TaskResult.objects.using(alias)
+            .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
+            .first()
+        ),
+        timeout,
+        f"task {task_id} to finish",
+    )
+    return str(row.status)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_published_in_a_rolled_back_transaction__never_runs(
+    lease_db: str, start_worker: Any, publisher: Any
+) -> None:
+    start_worker("a")
+    probe = publisher.tasks[PROBE]
+    published: list[Any] = []
+    rolled_back(
+        lease_db,
+        lambda: published.append(
+            probe.apply_async(kwargs={"marker": "rolled back"}, queue=start_worker.queue)
+        ),
+    )
+    (lost,) = published
+    with transaction.atomic(using=lease_db):
+        kept = probe.apply_async(kwargs={"marker": "kept"}, queue=start_worker.queue)
+    # one worker, one process, one queue: a message sent first would have run first
+    assert finished(lease_db, kept.id) == "SUCCESS"
+    assert not TaskResult.objects.using(lease_db).filter(task_id=lost.id).exists()
+    assert not Lease.objects.using(lease_db).filter(task_id=lost.id).exists()
+    assert not PendingJob.objects.using(lease_db).exists()  # the kept one's ended at its grant
+
+
+def test_published_while_redis_is_down__runs_once_when_it_is_back(
+    lease_db: str, start_worker: Any, publisher: Any
+) -> None:
+    """The caller gets its result handle, no error; the reclaimer sends the job once the
+    broker answers again, and it runs once."""
+    start_worker("a")
+    down = publishing_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    try:
+        with transaction.atomic(using=lease_db):
+            result = down.tasks[PROBE].apply_async(
+                kwargs={"marker": "down"}, queue=start_worker.queue
+            )
+        row = PendingJob.objects.using(lease_db).get(task_id=result.id)
+        assert row.unsent
+        assert [o.action for o in resend_pending(down)] == ["failed"]  # still down
+    finally:
+        down.close()
+    assert [o.action for o in resend_pending(publisher)] == ["resent"]  # Redis is back
+    assert finished(lease_db, result.id) == "SUCCESS"
+    lease = Lease.objects.using(lease_db).get(task_id=result.id)
+    assert lease.token == 1  # granted once
+    assert not PendingJob.objects.using(lease_db).exists()
+
+
+def test_redis_emptied_mid_run__every_job_completes_exactly_once(
+    lease_db: str, start_worker: Any, publisher: Any, settings: Any
+) -> None:
+    """Redis restarted without persistence while jobs are queued and running: every
+    queued message is gone. The reclaimer sends each job that no worker started, and
+    each completes once (one grant, one result)."""
+    settings.CELERY_FENCED_OUTBOX_RESEND_AFTER = 1.0
+    start_worker("a")
+    probe = publisher.tasks[PROBE]
+    ids = [
+        probe.apply_async(kwargs={"seconds": 0.2, "marker": f"m{i}"}, queue=start_worker.queue).id
+        for i in range(12)
+    ]
+    results = TaskResult.objects.using(lease_db).filter(task_id__in=ids, status="SUCCESS")
+    wait_for(lambda: results.count() >= 2, 90, "two jobs to finish")
+    redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushall()  # a restart, empty
+    lost = PendingJob.objects.using(lease_db).count()
+
+    def all_done() -> bool:
+        resend_pending(publisher)
+        return results.count() == len(ids)
+
+    wait_for(all_done, 150, "every job to finish", every=0.5)
+    assert lost > 0  # the flush did lose queued jobs
+    leases = Lease.objects.using(lease_db).filter(task_id__in=ids)
+    assert sorted(leases.values_list("task_id", flat=True)) == sorted(ids)
+    assert set(leases.values_list("token", flat=True)) == {1}  # each granted once
+    assert not PendingJob.objects.using(lease_db).filter(task_id__in=ids).exists()

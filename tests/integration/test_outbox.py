@@ -1,0 +1,228 @@
+"""The outbox (issue 17): record at publish, send on commit, re-send what never started.
+
+Published through Celery's own ``apply_async`` (the ``broker`` fixture records what
+reaches the broker), delivered through Celery's tracer, re-sent by the reclaimer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celery import states
+from django.db import connections, transaction
+from django.db.models import F
+from kombu.exceptions import OperationalError as BrokerDown
+
+from celery_fenced import acquire, reclaim
+from celery_fenced.hooks import on_task_revoked
+from celery_fenced.models import Lease, PendingJob
+from celery_fenced.outbox import resend_pending
+from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_seams import Broker, deliver, status
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.timeout(120),
+]
+
+
+def pending(alias: str) -> list[PendingJob]:
+    return list(PendingJob.objects.using(alias).order_by("id"))
+
+
+def make_due(alias: str, **more: Any) -> None:
+    """Every pending row due now, as if ``fenced_outbox_resend_after`` had passed."""
+    PendingJob.objects.using(alias).update(
+        resend_at=F("published_at") - dt.timedelta(seconds=1), **more
+    )
+
+
+class RolledBack(Exception):
+    """Raised to roll a test's transaction back."""
+
+
+def rolled_back(alias: str, action: Callable[[], Any]) -> None:
+    """Run ``action`` in a transaction on ``alias`` that then rolls back."""
+    try:
+        with transaction.atomic(using=alias):
+            action()
+            raise RolledBack
+    except RolledBack:
+        pass
+
+
+def test_rolled_back_transaction__nothing_sent_nothing_left(broker: Broker, lease_db: str) -> None:
+    seen: list[int] = []
+
+    def publish() -> None:
+        broker.app.signature("seams.step", ("r",)).apply_async()
+        seen.append(len(pending(lease_db)))  # written in the caller's transaction
+
+    rolled_back(lease_db, publish)
+    assert seen == [1]
+    assert broker.sent("seams.step") == []
+    assert pending(lease_db) == []
+
+
+def test_in_a_transaction__sent_once_on_commit(broker: Broker, lease_db: str) -> None:
+    with transaction.atomic(using=lease_db):
+        result = broker.app.signature("seams.step", ("c",)).apply_async()
+        assert broker.sent("seams.step") == []  # not before the commit
+    (headers, _body) = broker.one("seams.step")
+    assert headers["id"] == result.id
+    (row,) = pending(lease_db)
+    assert (row.task_id, row.task_name, row.sends, row.unsent) == (
+        result.id,
+        "seams.step",
+        0,
+        False,
+    )
+    job = reclaim.decode_job(row.job)
+    assert (job.task, job.args, job.kwargs) == ("seams.step", ["c"], {})
+
+
+def test_outside_a_transaction__recorded_then_sent_at_once(broker: Broker, lease_db: str) -> None:
+    result = broker.app.signature("seams.keyed", (7,)).apply_async(countdown=100)
+    broker.one("seams.keyed")
+    (row,) = pending(lease_db)
+    assert row.task_id == result.id
+    assert row.key == "report:7"
+    assert row.eta is not None
+    # due fenced_outbox_resend_after (300 s) past the ETA, by the database's clock
+    assert row.resend_at - row.published_at == dt.timedelta(seconds=400)
+
+
+def test_the_grant_ends_the_pending_row(broker: Broker, lease_db: str) -> None:
+    result = broker.app.signature("seams.step", ("g",)).apply_async()
+    assert len(pending(lease_db)) == 1
+    deliver(broker.app, broker.one("seams.step"))
+    assert status(lease_db, result.id) == (states.SUCCESS, '"g@1"')
+    assert pending(lease_db) == []
+
+
+def test_a_busy_key_ends_the_pending_row(broker: Broker, lease_db: str) -> None:
+    """Skipped, failed or retried (the retry records itself again): not pending."""
+    holder = broker.app.signature("seams.keyed", (3,)).apply_async()
+    second = broker.app.signature("seams.keyed", (3,)).apply_async()
+    held = Lease.objects.using(lease_db)
+
+    acquire("report:3", ttl=30, task_id=holder.id, using=lease_db)  # held by the first
+    (message,) = [m for m in broker.sent("seams.keyed") if m[0]["id"] == second.id]
+    deliver(broker.app, message)  # busy: retried with a countdown (fenced_on_busy)
+    assert held.get(key="report:3").task_id == holder.id
+    rows = {row.task_id: row for row in pending(lease_db)}
+    assert set(rows) == {holder.id, second.id}
+    assert rows[second.id].eta is not None  # the retry's row, recorded afresh
+
+
+def test_lost_message__sent_again_once_with_its_task_id_then_runs_once(
+    broker: Broker, lease_db: str
+) -> None:
+    result = broker.app.signature("seams.step", ("l",)).apply_async()
+    make_due(lease_db)
+    first, again = resend_pending(broker.app), resend_pending(broker.app)
+    assert [(o.task_id, o.action, o.attempt) for o in first] == [(result.id, "resent", 1)]
+    assert again == []  # not due again before fenced_outbox_resend_after
+    original, resent = broker.sent("seams.step")
+    assert original[0]["id"] == resent[0]["id"] == result.id
+    deliver(broker.app, resent)
+    assert status(lease_db, result.id) == (states.SUCCESS, '"l@1"')
+    assert pending(lease_db) == []
+    deliver(broker.app, original)  # the first copy turns up after all: a duplicate
+    assert status(lease_db, result.id) == (states.SUCCESS, '"l@1"')
+
+
+def test_two_reclaimers__each_due_job_sent_once(broker: Broker, lease_db: str) -> None:
+    ids = [broker.app.signature("seams.step", (f"m{i}",)).apply_async().id for i in range(30)]
+    make_due(lease_db)
+    outcomes: list[Any] = []
+
+    def sweep() -> None:
+        try:
+            outcomes.extend(resend_pending(broker.app, limit=7))
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=sweep) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(o.task_id for o in outcomes if o.action == "resent") == sorted(ids)
+    sent = [h["id"] for h, _ in broker.sent("seams.step")]
+    assert sorted(sent) == sorted(ids * 2)  # the original and one re-send each
+
+
+def test_expired_job__deleted_never_sent_again(broker: Broker, lease_db: str) -> None:
+    broker.app.signature("seams.step", ("e",)).apply_async(expires=60)
+    make_due(lease_db, expires_at=F("published_at"))
+    assert resend_pending(broker.app) == []
+    assert pending(lease_db) == []
+    assert len(broker.sent("seams.step")) == 1
+
+
+def test_too_many_sendings__abandoned_and_kept(broker: Broker, lease_db: str) -> None:
+    result = broker.app.signature("seams.step", ("a",)).apply_async()
+    make_due(lease_db, sends=3)  # fenced_reclaim_max
+    (outcome,) = resend_pending(broker.app)
+    assert (outcome.action, outcome.attempt) == ("abandoned", 4)
+    (row,) = pending(lease_db)
+    assert row.task_id == result.id
+    assert row.abandoned_at is not None
+    assert "never started" in row.abandoned_reason
+    assert resend_pending(broker.app) == []  # abandoned rows are not due
+    assert len(broker.sent("seams.step")) == 1
+
+
+def test_broker_down_at_publish__no_error_row_kept_and_sent_by_the_next_sweep(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller gets its result handle, not an error: the job is recorded (in a web
+    request the transaction has committed; a retried request would publish it twice)."""
+    amqp = broker.app.amqp
+    real = amqp.send_task_message
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise BrokerDown("Error 111 connecting to localhost:6379. Connection refused.")
+
+    monkeypatch.setattr(amqp, "send_task_message", down)
+    with transaction.atomic(using=lease_db):
+        result = broker.app.signature("seams.step", ("d",)).apply_async()
+    (row,) = pending(lease_db)
+    assert (row.task_id, row.unsent) == (result.id, True)
+    assert row.resend_at <= row.published_at + dt.timedelta(seconds=60)
+    assert [o.action for o in resend_pending(broker.app)] == ["failed"]  # still down
+    assert pending(lease_db)[0].sends == 0
+    monkeypatch.setattr(amqp, "send_task_message", real)
+    assert [o.action for o in resend_pending(broker.app)] == ["resent"]
+    deliver(broker.app, broker.one("seams.step"))
+    assert status(lease_db, result.id) == (states.SUCCESS, '"d@1"')
+
+
+def test_revoked__its_pending_row_ends(broker: Broker, lease_db: str) -> None:
+    result = broker.app.signature("seams.step", ("v",)).apply_async()
+    request = type("Request", (), {"id": result.id})()
+    on_task_revoked(request=request, sender=broker.app.tasks["seams.step"])
+    assert pending(lease_db) == []
+
+
+@pytest.mark.parametrize("where", ["setting", "task option"])
+def test_outbox_off__sent_as_celery_sends_it(
+    broker: Broker, lease_db: str, settings: Any, where: str
+) -> None:
+    task = broker.app.tasks["seams.step"]
+    if where == "setting":
+        settings.CELERY_FENCED_OUTBOX = False
+    else:
+        task.lease_outbox = False
+    try:
+        with transaction.atomic(using=lease_db):
+            broker.app.signature("seams.step", ("o",)).apply_async()
+            assert len(broker.sent("seams.step")) == 1  # at once, not on commit
+    finally:
+        task.lease_outbox = None
+    assert pending(lease_db) == []
