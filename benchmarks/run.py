@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import e2e, locks, renewal, report, scale
+from benchmarks import e2e, locks, publish, renewal, report, scale
 from benchmarks.common import WORKER_ROLE, Context, Line, Profile, repo_root, worker_env
 
 PG_OPTIONS = "-c shared_preload_libraries=pg_stat_statements"
@@ -33,6 +33,7 @@ ROWS: dict[str, tuple[str, Callable[[Context], list[Line]]]] = {
     "locks": ("row 3: lock cycles", locks.run),
     "scale": ("row 4: scale", scale.run),
     "renewal": ("row 5: renewal load", renewal.run),
+    "publish": ("row 6: publishing through the outbox", publish.run),
 }
 
 

@@ -16,3 +16,4 @@ class CeleryFencedConfig(AppConfig):
 
         checks.register()
         hooks.connect()
+        hooks.fence_in_every_process()

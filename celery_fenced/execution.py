@@ -131,15 +131,23 @@ class FencedExecution:
         request.lease_key = None
         request._fenced_lease = None
         options = self.fenced_options()
-        key = keys.render_key(self.name, options.key, self.run, args, kwargs)
         task_id = request.id or ""
         alias = store.database_alias()
         try:
+            key = keys.render_key(self.name, options.key, self.run, args, kwargs)
             lease = self._take_lease(key, options, alias, task_id, args, kwargs)
         except LeaseBusy as busy:
             return self._on_busy(busy, options.on_busy)
         except (OperationalError, InterfaceError) as exc:
             return self._on_database_error(exc)
+        except (Ignore, Reject):
+            raise
+        except Exception:
+            # it ends here, before any grant (a bad key, a database error that is no
+            # outage): not pending any more, or the reclaimer would send it again
+            if options.outbox and task_id and not request.called_directly:
+                self._end_pending(alias, task_id)
+            raise
         request.fencing_token = lease.token
         request.lease_key = key
         request._fenced_lease = lease
@@ -189,17 +197,33 @@ class FencedExecution:
         :mod:`celery_fenced.outbox`). Eager tasks (``task_always_eager``) and tasks with
         ``lease_outbox = False`` are sent as Celery sends them.
         """
+        from celery_fenced import outbox
+
         plain = super().apply_async  # type: ignore[misc]
-        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
+        if (
+            more
+            or self.app.conf.task_always_eager
+            or outbox.sends_at_once()
+            or not self.fenced_options().outbox
+        ):
             return plain(args, kwargs, task_id, *more, **options)
         from celery.utils import uuid
 
-        from celery_fenced import outbox
-
         chosen = task_id or uuid()
-        return outbox.publish(
-            self, args, kwargs, chosen, options, lambda: plain(args, kwargs, chosen, **options)
-        )
+        to_parent = options.pop("add_to_parent", True)
+
+        def send(deferred: bool) -> Any:
+            # a producer lent by the caller (a group's) is back in its pool by the commit
+            lent = {"producer"} if deferred else set()
+            kept = {k: v for k, v in options.items() if k not in lent}
+            return plain(args, kwargs, chosen, add_to_parent=False, **kept)
+
+        result = outbox.publish(self, args, kwargs, chosen, options, send)
+        if to_parent:  # the trail, as Celery's send_task keeps it: now, not at the commit
+            parent = self.app.current_worker_task
+            if parent is not None:
+                parent.add_trail(result)
+        return result
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, sent only while this execution's token is proven current.
@@ -208,12 +232,15 @@ class FencedExecution:
         execution sends none (it gets :class:`StaleToken`). ``Retry`` is raised once the
         guard has committed: the outbox sends the message on that commit.
         """
+        from celery_fenced import outbox, store
+
         throw = kwargs.pop("throw", True)
         if len(args) > 3:  # retry(args, kwargs, exc, throw, ...)
             throw, args = args[3], (*args[:3], False, *args[4:])
         else:
             kwargs["throw"] = False
-        with self._proven():
+        alias = self.lease.alias if self.lease is not None else store.database_alias()
+        with outbox.at_once_in_transaction(alias), self._proven():
             retried = super().retry(*args, **kwargs)  # type: ignore[misc]
         if throw:
             raise retried
@@ -225,9 +252,11 @@ class FencedExecution:
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
+        from celery_fenced import outbox, store
         from celery_fenced.store import REPLACED
 
-        with self._proven():
+        alias = self.lease.alias if self.lease is not None else store.database_alias()
+        with outbox.at_once_in_transaction(alias), self._proven():
             try:
                 return super().replace(sig)  # type: ignore[misc]
             except Ignore as exc:
@@ -313,6 +342,14 @@ class FencedExecution:
                 extra={"task_id": task_id, "lease_key": key},
             )
             raise Ignore() from None
+
+    def _end_pending(self, alias: str, task_id: str) -> None:
+        from celery_fenced import store
+
+        try:
+            store.forget_pending(alias, task_id)
+        except Exception:
+            logger.warning("could not end the pending row of %s", task_id, exc_info=True)
 
     def _on_database_error(self, exc: Exception) -> NoReturn:
         """The database failed before the grant: try the job again later, not never.

@@ -41,6 +41,40 @@ def connect() -> None:
     )
 
 
+def fence_in_every_process() -> None:
+    """Give the tasks of ``fenced_tasks`` their fenced class in every process, not only in
+    workers: a web process publishing one must go through the outbox too.
+
+    Done when each Celery app is finalized (all its tasks known), as Celery's own
+    ``shared_task`` registers itself (``celery._state.connect_on_app_finalize``); an
+    invalid setting is logged here (system checks and workers name it as an error).
+    """
+    from celery import _state
+
+    _state.connect_on_app_finalize(_fence_when_finalized)
+    for app in list(_state._get_active_apps()):  # type: ignore[attr-defined]
+        if app.finalized:
+            _fence_quietly(app)
+
+
+def _fence_when_finalized(app: Any) -> None:
+    # called at the start of finalize: the tasks are all there once it has ended
+    app.on_after_finalize.connect(
+        lambda sender, **kwargs: _fence_quietly(sender),
+        weak=False,
+        dispatch_uid="celery_fenced.fence_configured_tasks",
+    )
+
+
+def _fence_quietly(app: Any) -> None:
+    from celery_fenced.exceptions import FencedError
+
+    try:
+        fence_configured_tasks(app)
+    except FencedError as exc:
+        logger.error("celery-fenced: the tasks of fenced_tasks are not fenced here: %s", exc)
+
+
 def fence_configured_tasks(app: Any) -> list[str]:
     """Give every task selected by ``fenced_tasks`` the fenced behaviour; return their names.
 
@@ -54,20 +88,21 @@ def fence_configured_tasks(app: Any) -> list[str]:
     fenced = []
     for name, task in list(app.tasks.items()):
         options = settings.options_for(name)
-        if isinstance(task, FencedExecution):
-            if options is not None and task._fenced_config is not None:
-                task._fenced_config = options
-            continue
         if options is None:
             continue
-        task.__class__ = fenced_class(type(task))
-        task._fenced_config = options
-        task.acks_late = True
-        task.reject_on_worker_lost = True
+        if isinstance(task, FencedExecution):
+            if task._fenced_config is None:
+                continue  # a FencedTask: its own options win
+            task._fenced_config = options  # fenced before (at finalize): checked again
+        else:
+            task.__class__ = fenced_class(type(task))
+            task._fenced_config = options
+            task.acks_late = True
+            task.reject_on_worker_lost = True
+            fenced.append(name)
         checked = task.fenced_options()  # validate now, at start, naming the task
         if isinstance(checked.key, str):
             keys.check_template(name, checked.key, task.run)
-        fenced.append(name)
     unmatched = [
         p
         for p in settings.tasks
@@ -196,10 +231,15 @@ def on_worker_process_init(**kwargs: Any) -> None:
     from celery import current_app
     from celery.app.trace import build_tracer
 
+    from celery_fenced.execution import FencedExecution
+
     app = current_app
-    for name in fence_configured_tasks(app):
-        task = app.tasks[name]
-        task.__trace__ = build_tracer(name, task, app.loader, app.conf.get("hostname"), app=app)
+    fence_configured_tasks(app)  # (when the app was finalized here, already done then)
+    for name, task in list(app.tasks.items()):
+        if isinstance(task, FencedExecution) and task._fenced_config is not None:
+            task.__trace__ = build_tracer(
+                name, task, app.loader, app.conf.get("hostname"), app=app
+            )
 
 
 def on_process_shutdown(**kwargs: Any) -> None:

@@ -14,15 +14,40 @@ publish time) still runs, once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connections, transaction
+from django.utils import timezone
+from kombu.exceptions import OperationalError
 
 from celery_fenced import keys, reclaim, signals
+
+#: set while the package sends a message that must not wait for a commit: a retry or a
+#: replacement raised inside the caller's own transaction, which the raise rolls back
+_at_once: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_at_once")
+
+
+@contextlib.contextmanager
+def at_once_in_transaction(alias: str) -> Iterator[None]:
+    """Inside it, a publish sends at once, unrecorded, when a transaction is already open
+    on ``alias``: its commit would never come (the exception that follows rolls it back),
+    and the row and the message would go with it. Outside a transaction nothing changes."""
+    marker = _at_once.set(connections[alias].in_atomic_block)
+    try:
+        yield
+    finally:
+        _at_once.reset(marker)
+
+
+def sends_at_once() -> bool:
+    return _at_once.get(False)
+
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -40,9 +65,12 @@ def publish(
     kwargs: Mapping[str, Any] | None,
     task_id: str,
     options: Mapping[str, Any],
-    send: Callable[[], AsyncResult[Any]],
+    send: Callable[[bool], AsyncResult[Any]],
 ) -> AsyncResult[Any]:
-    """Record the job of ``task`` and ``send()`` it when the lease database commits.
+    """Record the job of ``task`` and ``send(deferred)`` it when the lease database commits.
+
+    ``deferred``: the send waits for the caller's transaction (what the call lent, a
+    producer, may be gone by then).
 
     Returns the job's result handle at once. A broker that refuses the message does not
     lose the job: the row stands, the failure is logged, and the reclaimer's next sweep
@@ -56,7 +84,7 @@ def publish(
     args, kwargs = list(args or ()), dict(kwargs or {})
     job = _encoded(task, args, kwargs, task_id, options)
     if job is None:
-        return send()
+        return send(False)
     pending = store.Pending(
         task_id=task_id,
         task_name=task.name,
@@ -80,14 +108,15 @@ def publish(
             exc,
             extra={"task_id": task_id},
         )
-        return send()
+        return send(False)
 
     def send_recorded() -> None:
         try:
-            send()
+            send(in_transaction)
         except Exception as exc:
-            logger.warning(
-                "task %s[%s]: recorded, but the broker refused it (%r); the reclaimer sends it",
+            refused = isinstance(exc, OperationalError | ConnectionError | TimeoutError)
+            (logger.warning if refused else logger.error)(
+                "task %s[%s]: recorded, but not sent (%r); the reclaimer sends it",
                 task.name,
                 task_id,
                 exc,
@@ -238,6 +267,9 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         job = reclaim.decode_job(due.job)
     except ValueError as exc:
         return abandoned(f"unreadable job: {exc}")
+    later: dict[str, Any] = (
+        {"eta": due.eta} if due.eta is not None and due.eta > timezone.now() else {}
+    )
     try:
         app.send_task(
             job.task,
@@ -246,6 +278,7 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
             task_id=due.task_id,
             add_to_parent=False,
             **job.options,
+            **later,
         )
     except Exception as exc:
         logger.warning(

@@ -178,8 +178,9 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
     }
 
 
-def start_redis(base: Path) -> dict[str, str]:
-    port = free_port()
+def start_redis(base: Path, port: int | None = None) -> dict[str, str]:
+    """Redis on ``port`` (default: a free one), no persistence: a restart starts empty."""
+    port = free_port() if port is None else port
     subprocess.run(
         [
             redis_binary(),
@@ -204,6 +205,30 @@ def start_redis(base: Path) -> dict[str, str]:
     )
     _wait_port(port, "Redis")
     return {"FENCED_REDIS_URL": f"redis://127.0.0.1:{port}/0"}
+
+
+def restart_redis_empty(url: str, base: Path, down_for: float = 0.0) -> None:
+    """Stop the Redis at ``url`` without saving, wait ``down_for`` seconds, start it again
+    on the same port (``base``: its folder): every message it held is gone."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    with contextlib.suppress(redis.exceptions.ConnectionError):
+        client.shutdown(nosave=True)
+    client.close()
+    port = int(url.split(":")[2].split("/")[0])
+    deadline = time.monotonic() + 30
+    while _port_open(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Redis on port {port} did not stop")
+        time.sleep(0.05)
+    time.sleep(down_for)
+    start_redis(base, port)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def stop(base: Path) -> None:

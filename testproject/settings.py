@@ -149,5 +149,7 @@ CELERY_FENCED_TASKS: dict[str, dict[str, object]] = json.loads(
 )
 if os.environ.get("FENCED_EVENTS"):  # "anomalies" (the default) or "all"
     CELERY_FENCED_EVENTS = os.environ["FENCED_EVENTS"]
+if os.environ.get("FENCED_OUTBOX"):  # "0": publish without the outbox (the chaos runner)
+    CELERY_FENCED_OUTBOX = os.environ["FENCED_OUTBOX"] == "1"
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])

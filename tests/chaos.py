@@ -61,6 +61,11 @@ class Options:
     work: tuple[float, float] = (0.05, 1.2)  # seconds of work per job
     gap: tuple[float, float] = (0.4, 1.6)  # seconds between chaos events
     pg_restart: bool = True
+    #: restart Redis empty mid-run (no persistence: every queued message is gone), down for
+    #: a moment while jobs are published
+    broker_restart: bool = True
+    #: publish through the outbox (``fenced_outbox``); off shows what it saves
+    outbox: bool = True
     drain_timeout: float = 60.0
     seed: int | None = None
     log_dir: Path | None = None
@@ -91,6 +96,14 @@ class Events:
     #: DB clock (None when the database could not be asked)
     stops: list[list[Any]] = field(default_factory=list)
     pg_window_db: tuple[Any, Any] | None = None  # the PostgreSQL restart, DB clock
+    redis_restarts: int = 0
+    #: workers that exited on their own (Celery/kombu gave up on the broker) and were
+    #: started again, as a supervisor (systemd) would
+    exits: int = 0
+    redis_restart_error: str = ""
+    #: jobs whose sending the broker refused (recorded by the outbox, sent by a sweep)
+    unsent: int = 0
+    outbox_actions: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
 
 
@@ -124,6 +137,15 @@ def servers(base: Path) -> Iterator[None]:
         services.stop(folder)
 
 
+def redis_dir(base: Path) -> Path | None:
+    """The folder of the Redis this run uses: its own, or the test suite's (None: not
+    known, so Redis is not restarted)."""
+    if os.environ.get("FENCED_RUN_DIR"):
+        return Path(os.environ["FENCED_RUN_DIR"])
+    own = base / "servers"
+    return own if own.exists() else None
+
+
 def _admin(sql: str) -> None:
     import psycopg
 
@@ -154,6 +176,7 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         # the checker replays every grant and release (acquired/reclaimed/released): it
         # runs with the full trail; the lease statements are the same in both modes
         "FENCED_EVENTS": "all",
+        "FENCED_OUTBOX": "1" if options.outbox else "0",
     }
     os.environ.update(env)
     import django
@@ -217,6 +240,14 @@ def _db_time_now() -> Any:
     return None
 
 
+def _outbox_sweeper() -> Any:
+    try:
+        from celery_fenced.outbox import resend_pending
+    except ImportError:
+        return None
+    return resend_pending
+
+
 def _reclaimer() -> Any:
     try:
         from celery_fenced.reclaim import reclaim_expired
@@ -227,7 +258,9 @@ def _reclaimer() -> Any:
 
 # -- the run ---------------------------------------------------------------------------
 class Runner:
-    def __init__(self, options: Options, env: dict[str, str], log_dir: Path) -> None:
+    def __init__(
+        self, options: Options, env: dict[str, str], log_dir: Path, redis_dir: Path | None
+    ) -> None:
         from testproject.celery import app
 
         self.options = options
@@ -244,6 +277,12 @@ class Runner:
         # a re-sent job that no worker ever granted (Redis lost the message to a kill) is
         # sent again after this, not after the default five minutes: within the drain
         app.conf.fenced_reclaim_resend_after = 2 * options.ttl + options.visibility
+        # likewise a published job no worker started (the broker lost it): the outbox
+        app.conf.fenced_outbox = options.outbox
+        app.conf.fenced_outbox_resend_after = 2 * options.ttl + options.visibility
+        self.resend_pending = _outbox_sweeper() if options.outbox else None
+        self.redis_dir = redis_dir
+        self._broker_restart: threading.Thread | None = None
         # its own generator: the seed alone decides the jobs (the chaos depends on timing too)
         jobs_rng = random.Random(options.seed)
         self.sender = workload.Sender(app, self.queue, jobs_rng, options.ttl, options.work)
@@ -282,6 +321,7 @@ class Runner:
         ChaosSlot.objects.bulk_create([ChaosSlot(job=name) for name in names])
         started = time.monotonic()
         restart_at = started + self.rng.uniform(0.3, 0.6) * options.trials / options.rate
+        broker_restart_at = started + self.rng.uniform(0.2, 0.8) * options.trials / options.rate
         tail = 2 * options.ttl + options.visibility
         next_chaos = started + self.rng.uniform(*options.gap)
         while True:
@@ -290,12 +330,21 @@ class Runner:
             while len(self.jobs) < due:
                 self.send(names[len(self.jobs)])
             self.resume_due(now)
+            self.revive_exited()
             if now >= next_chaos:
                 self.chaos()
                 next_chaos = now + self.rng.uniform(*options.gap)
             if options.pg_restart and self._restart is None and now >= restart_at:
                 self._restart = threading.Thread(target=self.restart_postgres, daemon=True)
                 self._restart.start()
+            if (
+                options.broker_restart
+                and self.redis_dir is not None
+                and self._broker_restart is None
+                and now >= broker_restart_at
+            ):
+                self._broker_restart = threading.Thread(target=self.restart_redis, daemon=True)
+                self._broker_restart.start()
             self.housekeeping(now)
             if (
                 len(self.jobs) == options.trials
@@ -311,7 +360,19 @@ class Runner:
 
     # -- chaos -----------------------------------------------------------------------
     def running(self) -> list[Slot]:
-        return [s for s in self.slots if s.paused_until is None]
+        return [
+            s for s in self.slots if s.paused_until is None and s.worker.process.poll() is None
+        ]
+
+    def revive_exited(self) -> None:
+        """A worker that exited on its own (seen after a broker restart: kombu's
+        "Unrecoverable error" while restoring unacknowledged messages) is started again,
+        as a supervisor would; its unfinished work is lost like a killed one's."""
+        for slot in self.slots:
+            if slot.paused_until is None and slot.worker.process.poll() is not None:
+                self.events.exits += 1
+                self.note(f"{slot.worker.name} exited on its own; starting it again")
+                self.kill(slot, counted=False)
 
     def chaos(self) -> None:
         running = self.running()
@@ -350,13 +411,14 @@ class Runner:
             if slot.paused_until is not None and now >= slot.paused_until:
                 self.resume(slot)
 
-    def kill(self, slot: Slot) -> None:
+    def kill(self, slot: Slot, counted: bool = True) -> None:
         old = slot.worker
-        old.stop()  # SIGCONT + SIGKILL to the process group: the pool children die too
+        with contextlib.suppress(ProcessLookupError):
+            old.stop()  # SIGCONT + SIGKILL to the process group: the pool children die too
         self.dead[old.name + "@"] = self._db_time()
         if slot.stop is None:  # a stopped worker's entry stays open: it never resumed
             self.events.stops.append([old.name + "@", self.dead[old.name + "@"], None])
-        self.events.kills += 1
+        self.events.kills += counted
         self.events.kill_times.append(dt.datetime.now())
         slot.worker = self.start_worker(slot.index, slot.pool)
         slot.paused_until = None
@@ -371,6 +433,8 @@ class Runner:
                 self.resume(slot)
         if self._restart is not None:
             self._restart.join(timeout=180)
+        if self._broker_restart is not None:
+            self._broker_restart.join(timeout=180)
         for slot in self.slots:
             with contextlib.suppress(AssertionError):
                 slot.worker.wait_ready(timeout=120)
@@ -394,6 +458,24 @@ class Runner:
         from django.db import connection
 
         connection.close()  # this thread's own
+
+    def restart_redis(self) -> None:
+        """Redis stops without saving, stays down for a moment while jobs are published,
+        and starts empty on the same port: every queued and unacknowledged message is
+        gone (what a broker restart without persistence does)."""
+        down_for = self.rng.uniform(1.0, 3.0)
+        self.note(f"restarting Redis empty (down for {down_for:.1f}s)")
+        try:
+            assert self.redis_dir is not None
+            services.restart_redis_empty(
+                os.environ["FENCED_REDIS_URL"], self.redis_dir, down_for=down_for
+            )
+        except Exception as exc:
+            self.events.redis_restart_error = repr(exc)
+            self.note(f"Redis restart failed: {exc!r}")
+            return
+        self.events.redis_restarts += 1
+        self.note("Redis is back, empty")
 
     # -- monitoring and reclaim ------------------------------------------------------
     def _db_time(self) -> Any:
@@ -424,6 +506,14 @@ class Runner:
                 self.events.reclaim_errors += 1
                 self.note(f"reclaim sweep failed: {exc!r}")
                 self._reset_connections()
+            if self.resend_pending is not None:
+                try:
+                    for resent in self.resend_pending(self.app):
+                        self.events.outbox_actions[resent.action] += 1
+                except Exception as exc:
+                    self.events.reclaim_errors += 1
+                    self.note(f"outbox sweep failed: {exc!r}")
+                    self._reset_connections()
 
     def monitor(self) -> None:
         """No lease is held by a killed owner, or a stopped one, past its ttl (DB clock)."""
@@ -643,10 +733,12 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         key, result = key_of_task.get(task_id, ""), results.get(task_id)
         # a message a worker never sent was not lost by the broker
         was_sent = task_id in sent or task_id in workload.sent_by_runner(job)
+        # with the outbox a job the broker lost is sent again: its loss is no excuse
+        in_broker = was_sent and not options.outbox
         return (
             _cause(result, history.get(key, []), task_id)
             or _lost_in_restart(job, task_id, key, result, events)
-            or (_lost_in_broker(job, task_id, key, result, events) if was_sent else "")
+            or (_lost_in_broker(job, task_id, key, result, events) if in_broker else "")
         )
 
     # 1. every job's effect applied exactly once; 4. every job reached a final state
@@ -770,6 +862,14 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("pauses (main process only)", events.main_pauses),
         ("kills (and restarts)", events.kills),
         ("PostgreSQL restarts", events.pg_restarts),
+        ("Redis restarts, empty (every queued message lost)", events.redis_restarts),
+        ("workers that exited on their own (started again)", events.exits),
+        (
+            "jobs the outbox sent again (never started), by outcome",
+            ", ".join(f"{k} {n}" for k, n in sorted(events.outbox_actions.items()))
+            if options.outbox
+            else "outbox off",
+        ),
         ("takeovers (reclaimed grants)", kinds["reclaimed"]),
         ("grants lost (lost events)", kinds["lost"]),
         ("jobs re-sent by the reclaimer", kinds.get("resent", 0)),
@@ -852,6 +952,14 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--rate", type=float, default=3.0, help="jobs sent per second")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--no-pg-restart", action="store_true", help="do not restart PostgreSQL")
+    parser.add_argument(
+        "--no-broker-restart", action="store_true", help="do not restart Redis (empty)"
+    )
+    parser.add_argument(
+        "--no-outbox",
+        action="store_true",
+        help="publish without the outbox (fenced_outbox off): shows what it saves",
+    )
     parser.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait")
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: temp)")
     parser.add_argument("--keep-database", action="store_true", help="do not drop the database")
@@ -872,6 +980,8 @@ def parse(argv: list[str]) -> Options:
         rate=args.rate,
         seed=args.seed if args.seed is not None else random.randrange(1 << 30),
         pg_restart=not args.no_pg_restart,
+        broker_restart=not args.no_broker_restart,
+        outbox=not args.no_outbox,
         drain_timeout=args.drain_timeout,
         log_dir=args.log_dir,
         keep_database=args.keep_database,
@@ -897,7 +1007,7 @@ def main(argv: list[str]) -> int:
             import redis
 
             redis.Redis.from_url(broker).flushdb()
-            runner = Runner(options, env, log_dir)
+            runner = Runner(options, env, log_dir, redis_dir(base))
             try:
                 runner.run()
             finally:

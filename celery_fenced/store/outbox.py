@@ -10,7 +10,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from django.db.models import F
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Greatest, Now
 
 from celery_fenced.models import PendingJob
 from celery_fenced.store import dialects
@@ -28,6 +28,7 @@ class Due:
     key: str
     job: str
     sends: int
+    eta: dt.datetime | None = None
 
 
 def record_pending(alias: str, pending: Pending) -> None:
@@ -41,8 +42,11 @@ def record_pending(alias: str, pending: Pending) -> None:
 
 
 def mark_unsent(alias: str, task_id: str) -> None:
-    """The broker refused the job's sending: the reclaimer's next sweep sends it."""
-    PendingJob.objects.using(alias).filter(task_id=task_id).update(unsent=True, resend_at=Now())
+    """The broker refused the job's sending: the reclaimer's next sweep sends it (not
+    before its ETA)."""
+    PendingJob.objects.using(alias).filter(task_id=task_id).update(
+        unsent=True, resend_at=Greatest(Now(), Coalesce(F("eta"), Now()))
+    )
 
 
 def forget_pending(alias: str, task_id: str) -> int:
@@ -62,19 +66,19 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     rows.filter(expires_at__lte=Now()).delete()  # Celery would revoke it on arrival
     due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True)
     candidates = list(
-        due.order_by("resend_at").values_list("id", "task_id", "task_name", "key", "job", "sends")[
-            :limit
-        ]
+        due.order_by("resend_at").values_list(
+            "id", "task_id", "task_name", "key", "job", "sends", "eta"
+        )[:limit]
     )
     claimed = []
-    for row_id, task_id, task_name, key, job, sends in candidates:
+    for row_id, task_id, task_name, key, job, sends, eta in candidates:
         won = due.filter(id=row_id, sends=sends).update(
             sends=F("sends") + 1,
             unsent=False,
             resend_at=Now() + dt.timedelta(seconds=resend_after),
         )
         if won:
-            claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1))
+            claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1, eta))
     return claimed, len(candidates) == limit
 
 

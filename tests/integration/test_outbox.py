@@ -17,7 +17,7 @@ from django.db import connections, transaction
 from django.db.models import F
 from kombu.exceptions import OperationalError as BrokerDown
 
-from celery_fenced import acquire, reclaim
+from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.hooks import on_task_revoked
 from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
@@ -225,4 +225,101 @@ def test_outbox_off__sent_as_celery_sends_it(
             assert len(broker.sent("seams.step")) == 1  # at once, not on commit
     finally:
         task.lease_outbox = None
+    assert pending(lease_db) == []
+
+
+def test_group_in_a_transaction__each_member_recorded_and_sent_once_on_commit(
+    broker: Broker, lease_db: str
+) -> None:
+    """A group lends its members one producer, back in the pool by the commit: each
+    deferred member is sent with a producer of its own."""
+    from celery import group
+
+    app = broker.app
+    with transaction.atomic(using=lease_db):
+        result = group(app.signature("seams.step", (f"g{i}",)) for i in range(3)).apply_async()
+        assert broker.sent("seams.step") == []
+    members = sorted(r.id for r in result.results)
+    assert sorted(h["id"] for h, _ in broker.sent("seams.step")) == members
+    assert sorted(row.task_id for row in pending(lease_db)) == members
+
+
+def test_retry_inside_the_callers_transaction__sent_at_once_not_lost(
+    broker: Broker, lease_db: str
+) -> None:
+    """``raise self.retry()`` inside ``transaction.atomic()``: the raise rolls that
+    transaction back, so the retry cannot wait for its commit: it is sent at once."""
+    app = broker.app
+
+    @app.task(name="outbox.atomic_retry", bind=True, base=FencedTask, shared=False)
+    def atomic_retry(self: Any, value: int) -> int:
+        if self.request.retries == 0:
+            with transaction.atomic(using=lease_db):
+                raise self.retry(countdown=1)
+        return value
+
+    result = atomic_retry.apply_async((1,))
+    deliver(app, broker.one("outbox.atomic_retry"))
+    assert status(lease_db, result.id)[0] == states.RETRY
+    first, retry = broker.sent("outbox.atomic_retry")
+    assert (first[0]["retries"], retry[0]["retries"]) == (0, 1)
+    deliver(app, retry)
+    assert status(lease_db, result.id) == (states.SUCCESS, "1")
+
+
+def test_replace_inside_the_callers_transaction__the_replacement_is_sent(
+    broker: Broker, lease_db: str
+) -> None:
+    app = broker.app
+
+    @app.task(name="outbox.atomic_replace", bind=True, base=FencedTask, shared=False)
+    def atomic_replace(self: Any, value: str) -> Any:
+        with transaction.atomic(using=lease_db):
+            return self.replace(app.signature("seams.step", (value,)))
+
+    atomic_replace.apply_async(("r",))
+    deliver(app, broker.one("outbox.atomic_replace"))
+    deliver(app, broker.one("seams.step"))
+
+
+def test_broker_down_with_a_countdown__sent_again_at_its_eta_not_before(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    amqp = broker.app.amqp
+    real = amqp.send_task_message
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise BrokerDown("Connection refused.")
+
+    monkeypatch.setattr(amqp, "send_task_message", down)
+    broker.app.signature("seams.step", ("later",)).apply_async(countdown=3600)
+    monkeypatch.setattr(amqp, "send_task_message", real)
+    assert resend_pending(broker.app) == []  # not before its ETA
+    make_due(lease_db)  # as if the hour had passed
+    PendingJob.objects.using(lease_db).update(eta=F("published_at") + dt.timedelta(hours=1))
+    assert [o.action for o in resend_pending(broker.app)] == ["resent"]
+    (headers, _body) = broker.one("seams.step")
+    assert headers["eta"] is not None  # still ahead: the re-send carries it
+
+
+def test_callbacks_sent_through_the_outbox__are_the_parents_children(
+    broker: Broker, lease_db: str
+) -> None:
+    app = broker.app
+    result = app.signature("seams.step", ("c",)).apply_async(link=app.signature("seams.step", ()))
+    deliver(app, broker.one("seams.step"))
+    assert [child.id for child in app.AsyncResult(result.id).children] == [
+        h["id"] for h, _ in broker.sent("seams.step")[1:]
+    ]
+
+
+def test_a_job_that_fails_before_its_grant__is_not_sent_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """A key the lease table cannot hold fails the job before any grant: it is not
+    pending any more (the reclaimer would send a finished job again)."""
+    app = broker.app
+    result = app.signature("seams.keyed", ("x" * 300,)).apply_async()
+    deliver(app, broker.one("seams.keyed"))
+    assert status(lease_db, result.id)[0] == states.FAILURE
     assert pending(lease_db) == []

@@ -1,0 +1,101 @@
+"""Row 6: what the outbox adds to publishing a job (issue 17).
+
+``apply_async`` of a fenced no-op task through the outbox (a pending row written in the
+lease database, then the message sent) against the same call of a plain task (the
+message only), in rounds that alternate the variants. Twice: outside a transaction, and
+the way a web request publishes — inside the request's transaction, which writes a row of
+its own, sent on commit — where the plain baseline is what Django users do without the
+package (``transaction.on_commit(lambda: task.apply_async(...))``, Celery's
+``delay_on_commit``).
+Nobody consumes the queue; it is deleted after.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+from benchmarks.common import Context, Line
+
+
+def run(ctx: Context) -> list[Line]:
+    import redis
+    from django.db import connections, transaction
+
+    import benchmarks.tasks  # noqa: F401 - registers the no-op tasks
+    from celery_fenced.models import PendingJob
+    from testproject.celery import app
+    from testproject.demo.models import LedgerEntry
+
+    app.conf.broker_url = ctx.redis_url
+    queue = f"bench-publish-{uuid.uuid4().hex[:6]}"
+    plain, fenced = app.tasks["bench.noop_plain"], app.tasks["bench.noop_fenced"]
+    count = max(50, ctx.profile.count_tasks * 2)
+    rounds = 5 if ctx.profile.name != "smoke" else 1
+
+    def outside(task: Any) -> Callable[[int], None]:
+        return lambda n: task.apply_async(args=[n], queue=queue)
+
+    def in_transaction(task: Any, on_commit: bool) -> Callable[[int], None]:
+        def publish(n: int) -> None:
+            with transaction.atomic():
+                LedgerEntry.objects.create(job=uuid.uuid4().hex, effect="publish", token=0)
+                if on_commit:  # what a Django user writes without the package
+                    transaction.on_commit(lambda: task.apply_async(args=[n], queue=queue))
+                else:  # the outbox: the row in this transaction, the message on commit
+                    task.apply_async(args=[n], queue=queue)
+
+        return publish
+
+    variants = {
+        "plain": outside(plain),
+        "fenced": outside(fenced),
+        "plain on_commit": in_transaction(plain, on_commit=True),
+        "fenced in tx": in_transaction(fenced, on_commit=False),
+    }
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for publish in variants.values():  # warm: connections, the plan cache
+            for n in range(10):
+                publish(n)
+        for _ in range(rounds):
+            for name, publish in variants.items():
+                started = time.perf_counter()
+                for n in range(count):
+                    publish(n)
+                timings[name].append((time.perf_counter() - started) / count)
+    finally:
+        PendingJob.objects.all().delete()
+        LedgerEntry.objects.filter(effect="publish").delete()
+        redis.Redis.from_url(ctx.redis_url).delete(queue)
+        app.pool.force_close_all()
+        connections.close_all()
+    ctx.data["publish"] = {"count": count, "rounds": rounds, "seconds_per_publish": timings}
+
+    def line(case: str, ours: str, theirs: str) -> Line:
+        ratios = [a / b for a, b in zip(timings[ours], timings[theirs], strict=True)]
+        return Line(
+            row="6 publish",
+            case=case,
+            measured=f"{median(timings[ours]) * 1000:.2f} ms/job",
+            baseline=f"{median(timings[theirs]) * 1000:.2f} ms/job",
+            ratio=median(ratios),
+            spread=f"{min(ratios):.2f}-{max(ratios):.2f}",
+        )
+
+    return [
+        line(
+            f"apply_async, {count} jobs x {rounds}: fenced (outbox: row + message) vs plain",
+            "fenced",
+            "plain",
+        ),
+        line(
+            "in a web request's transaction (one row of its own): fenced (its row in it, "
+            "sent on commit) vs plain sent by transaction.on_commit",
+            "fenced in tx",
+            "plain on_commit",
+        ),
+    ]
