@@ -137,6 +137,8 @@ class FencedExecution:
             key = keys.render_key(self.name, options.key, self.run, args, kwargs)
             lease = self._take_lease(key, options, alias, task_id, args, kwargs)
         except LeaseBusy as busy:
+            if options.on_busy != "retry" and options.outbox and task_id:
+                self._end_delivery(alias, task_id, args, kwargs)
             return self._on_busy(busy, options.on_busy)
         except (OperationalError, InterfaceError) as exc:
             return self._on_database_error(exc)
@@ -343,6 +345,20 @@ class FencedExecution:
             )
             raise Ignore() from None
 
+    def _end_delivery(
+        self, alias: str, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """A delivery skipped (or failed) as busy ends its job like a completion: a copy
+        of it the outbox sent again, arriving once the key is free, is a duplicate."""
+        from celery_fenced import store
+
+        retries = int(getattr(self.request, "retries", 0) or 0)
+        digest = keys.message_digest(task_id, self.name, args, kwargs)
+        try:
+            store.mark_ended(alias, store.Delivery(task_id, digest, retries))
+        except Exception:
+            logger.warning("could not mark %s ended as busy", task_id, exc_info=True)
+
     def _end_pending(self, alias: str, task_id: str) -> None:
         from celery_fenced import store
 
@@ -361,6 +377,8 @@ class FencedExecution:
         attempt = getattr(self.request, DATABASE_RETRIES, 0)
         attempt = attempt if isinstance(attempt, int) and attempt >= 0 else 0
         countdown = min(2.0 ** min(attempt, 4), 10.0)
+        from celery_fenced import outbox
+
         logger.warning(
             "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
             self.name,
@@ -368,7 +386,8 @@ class FencedExecution:
             exc,
             countdown,
         )
-        self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
+        with outbox.unrecorded():  # the database is away: the broker holds it meanwhile
+            self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
 
     def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
         """The body learned its grant is gone, or a write it made was refused.

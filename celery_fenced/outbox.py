@@ -26,7 +26,7 @@ from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from celery_fenced import keys, reclaim, signals
+from celery_fenced import keys, outages, reclaim, signals
 
 #: set while the package sends a message that must not wait for a commit: a retry or a
 #: replacement raised inside the caller's own transaction, which the raise rolls back
@@ -39,6 +39,17 @@ def at_once_in_transaction(alias: str) -> Iterator[None]:
     on ``alias``: its commit would never come (the exception that follows rolls it back),
     and the row and the message would go with it. Outside a transaction nothing changes."""
     marker = _at_once.set(connections[alias].in_atomic_block)
+    try:
+        yield
+    finally:
+        _at_once.reset(marker)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Inside it, a publish is sent as Celery sends it, unrecorded: the worker's own
+    re-send of a job after a database error before its grant (the database is away)."""
+    marker = _at_once.set(True)
     try:
         yield
     finally:
@@ -72,8 +83,9 @@ def publish(
     ``deferred``: the send waits for the caller's transaction (what the call lent, a
     producer, may be gone by then).
 
-    Returns the job's result handle at once. A broker that refuses the message does not
-    lose the job: the row stands, the failure is logged, and the reclaimer's next sweep
+    Returns the job's result handle at once. A lease database that cannot be written
+    (after an outage's retries) raises its error. A broker that refuses the message does
+    not lose the job: the row stands, the failure is logged, and the reclaimer's next sweep
     sends it (the caller is not told with an error: in a web request the transaction that
     recorded the job has committed, and a retried request would publish it twice).
     """
@@ -96,19 +108,15 @@ def publish(
         resend_after=settings.outbox_resend_after,
     )
     in_transaction = connections[alias].in_atomic_block
-    try:
-        store.record_pending(alias, pending)
-    except DatabaseError as exc:
-        if in_transaction:
-            raise  # the caller's transaction failed: nothing of it stands, nor this job
-        logger.warning(
-            "task %s[%s]: the outbox could not record the job (%s); sent without it",
-            task.name,
-            task_id,
-            exc,
-            extra={"task_id": task_id},
-        )
-        return send(False)
+    # the database away for a moment (a restart, a failover) is waited out, as a result
+    # write waits; then, or inside the caller's transaction, its error is the caller's:
+    # a job sent unrecorded could be lost by the broker with nothing to send it again
+    outages.attempt_through(
+        lambda: store.record_pending(alias, pending),
+        [alias],
+        f"could not record task {task.name}[{task_id}] in the outbox",
+        extra={"task_id": task_id},
+    )
 
     def send_recorded() -> None:
         try:

@@ -51,6 +51,8 @@ class Renewer:
         with self._cond:
             self._leases.pop(id(lease), None)
             self._lost.pop(id(lease), None)
+            if not self._leases:
+                self._cond.notify_all()  # nothing to renew: its connection closes now
 
     def held(self) -> list[HeldLease]:
         with self._cond:

@@ -97,6 +97,8 @@ class Events:
     stops: list[list[Any]] = field(default_factory=list)
     pg_window_db: tuple[Any, Any] | None = None  # the PostgreSQL restart, DB clock
     redis_restarts: int = 0
+    #: jobs whose publish raised (without the outbox: refused by a broker that was down)
+    refused: list[str] = field(default_factory=list)
     #: workers that exited on their own (Celery/kombu gave up on the broker) and were
     #: started again, as a supervisor (systemd) would
     exits: int = 0
@@ -356,7 +358,11 @@ class Runner:
         self.drain()
 
     def send(self, name: str) -> None:
-        self.jobs.append(self.sender.send(name))
+        try:
+            self.jobs.append(self.sender.send(name))
+        except Exception as exc:  # without the outbox: the broker refused it, it is gone
+            self.events.refused.append(name)
+            self.note(f"publishing {name} failed: {exc!r}")
 
     # -- chaos -----------------------------------------------------------------------
     def running(self) -> list[Slot]:
@@ -632,6 +638,21 @@ DB_ERROR_BEFORE_GRANT = "db-error-before-grant"
 #: it, and a worker was SIGKILLed after it was sent (kombu's Redis transport loses a
 #: message when the worker dies between its BRPOP and recording the message as unacked)
 LOST_IN_BROKER = "lost-in-broker"
+#: ... and a plain task (no outbox: only fenced jobs are recorded at publish) whose
+#: publish the broker refused while it was down: Celery fails a chord whose plain body
+#: it cannot send ("Callback error: OperationalError(... Connection refused)")
+PLAIN_SEND_REFUSED = "plain-send-refused"
+
+
+def _plain_send_refused(result: Any) -> bool:
+    if result is None or result.status != "FAILURE":
+        return False
+    text = result.result or ""
+    return (
+        "ChordError" in text
+        and "Callback error: OperationalError" in text
+        and ("Connection refused" in text or "Error 111" in text)
+    )
 
 
 @dataclass
@@ -736,7 +757,8 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         # with the outbox a job the broker lost is sent again: its loss is no excuse
         in_broker = was_sent and not options.outbox
         return (
-            _cause(result, history.get(key, []), task_id)
+            (PLAIN_SEND_REFUSED if _plain_send_refused(result) else "")
+            or _cause(result, history.get(key, []), task_id)
             or _lost_in_restart(job, task_id, key, result, events)
             or (_lost_in_broker(job, task_id, key, result, events) if in_broker else "")
         )
@@ -843,10 +865,19 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ttl=options.ttl,
         slack=SLACK,
     )
+    refused = {
+        job.name
+        for job in jobs
+        if job.kind == "chord" and _plain_send_refused(results.get(job.ids["body"]))
+    }
+    for name in events.refused:
+        lost.add(name)
+        violation("not-final", "", f"{name}: its publish raised; it was never sent")
     seam_counts: Counter[str] = Counter()
     for kind, where, text in workload.check_seams(jobs, seams):
         seam_counts[kind] += 1
-        violation(kind, where if kind == "ended-by-other" else "", text)
+        cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
+        violation(kind, where if kind == "ended-by-other" else "", text, cause)
 
     kinds = Counter(e.kind for evs in history.values() for e in evs)
     reruns = sum(
@@ -864,6 +895,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("PostgreSQL restarts", events.pg_restarts),
         ("Redis restarts, empty (every queued message lost)", events.redis_restarts),
         ("workers that exited on their own (started again)", events.exits),
+        ("publishes that raised (the job is gone)", len(events.refused)),
         (
             "jobs the outbox sent again (never started), by outcome",
             ", ".join(f"{k} {n}" for k, n in sorted(events.outbox_actions.items()))

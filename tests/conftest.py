@@ -33,6 +33,43 @@ def require_servers() -> None:
         )
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: Any) -> Iterator[None]:
+    """pytest-django's test databases; before they are dropped, no session of a thread of
+    ours is left on them: the renewer's (idle, it closes its connection) and the kept
+    connections of grants (``store.owned``)."""
+    yield
+    import time
+
+    from celery_fenced import store
+    from celery_fenced.renewal import renewer
+
+    store.close_kept_connections()
+    keeper = renewer()
+    for lease in keeper.held():
+        keeper.unregister(lease)
+    with keeper._cond:
+        keeper._cond.notify_all()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _other_sessions():
+        time.sleep(0.05)
+
+
+def _other_sessions() -> int:
+    """Sessions on the PostgreSQL test database but this thread's and the counting one."""
+    if "postgres" not in settings.DATABASES:
+        return 0
+    mine = connections["postgres"]
+    own = mine.connection.info.backend_pid if mine.connection is not None else 0
+    with side_connection("postgres") as admin:
+        found = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND pid <> %s",
+            [own],
+        ).fetchone()
+        return int(found[0])
+
+
 @pytest.fixture(autouse=True)
 def _kept_connections_closed() -> Iterator[None]:
     """After each test, close the connections it kept for grants (``store.owned``).

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from django.db.models import F
 from django.db.models.functions import Coalesce, Greatest, Now
 
-from celery_fenced.models import PendingJob
+from celery_fenced.models import Completion, PendingJob
 from celery_fenced.store import dialects
+from celery_fenced.store.dialects.records import Delivery
 from celery_fenced.store.dialects.records import Pending as Pending
 from celery_fenced.tables import tables_required
 
@@ -106,3 +107,12 @@ def delete_abandoned_before(alias: str, before: dt.datetime) -> int:
     """Prune: delete the jobs abandoned before ``before``."""
     deleted, _ = PendingJob.objects.using(alias).filter(abandoned_at__lt=before).delete()
     return deleted
+
+
+def mark_ended(alias: str, delivery: Delivery) -> None:
+    """A delivery that ended without a grant (skipped or failed as busy): like a
+    completion, it makes later copies of its message duplicates (``Completion`` rows
+    are kept for ``fenced_duplicate_window``)."""
+    Completion.objects.using(alias).create(
+        digest=delivery.digest, retries=delivery.retries, completed_at=Now()
+    )

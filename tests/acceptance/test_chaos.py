@@ -34,6 +34,10 @@ KNOWN = {
     "worker was SIGKILLed between its BRPOP and recording the message as unacknowledged; "
     "the message is then in neither the queue nor the unacked hash), so no worker ever "
     "received it and, never granted, the reclaimer cannot send it again",
+    # not the package's: a plain task has no outbox
+    chaos.PLAIN_SEND_REFUSED: "not celery-fenced: a chord's plain (unfenced) body was "
+    "published while Redis was down; only fenced jobs are recorded at publish, and Celery "
+    "fails the chord whose callback it cannot send",
 }
 
 

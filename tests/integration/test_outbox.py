@@ -19,7 +19,7 @@ from kombu.exceptions import OperationalError as BrokerDown
 
 from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.hooks import on_task_revoked
-from celery_fenced.models import Lease, PendingJob
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from tests.conftest import DATABASE_ALIASES
 from tests.integration.test_seams import Broker, deliver, status
@@ -323,3 +323,62 @@ def test_a_job_that_fails_before_its_grant__is_not_sent_again(
     deliver(app, broker.one("seams.keyed"))
     assert status(lease_db, result.id)[0] == states.FAILURE
     assert pending(lease_db) == []
+
+
+def test_skipped_as_busy__a_copy_sent_again_is_a_duplicate_once_the_key_is_free(
+    broker: Broker, lease_db: str
+) -> None:
+    """``on_busy="skip"``: the first copy finds the key busy and is skipped; the outbox's
+    copy of it, arriving once the key is free, does not run it after all."""
+    app = broker.app
+    runs: list[str] = []
+
+    @app.task(
+        name="outbox.skipping",
+        bind=True,
+        base=FencedTask,
+        shared=False,
+        lease_key="skipping",
+        lease_on_busy="skip",
+    )
+    def skipping(self: Any, value: str) -> str:
+        runs.append(value)
+        return value
+
+    result = skipping.apply_async(("s",))
+    make_due(lease_db)
+    assert [o.action for o in resend_pending(app)] == ["resent"]
+    original, copy = broker.sent("outbox.skipping")
+    holder = acquire("skipping", ttl=30, task_id="another-job", using=lease_db)
+    deliver(app, original)  # busy: skipped
+    holder.release()
+    deliver(app, copy)  # the key is free now
+    assert runs == []
+    duplicates = LeaseEvent.objects.using(lease_db).filter(kind="duplicate", task_id=result.id)
+    assert duplicates.count() == 1
+
+
+def test_lease_database_away_at_publish__waited_out_then_recorded_and_sent(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart of the lease database while a job is published: the record is tried
+    again (as a result write is), never skipped: a job sent unrecorded could be lost by
+    the broker with nothing to send it again."""
+    from django.db import OperationalError
+
+    from celery_fenced import store
+
+    real = store.record_pending
+    failures = [OperationalError("the database system is shutting down")] * 2
+
+    def flaky(alias: str, pending: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real(alias, pending)
+
+    monkeypatch.setattr(store, "record_pending", flaky)
+    result = broker.app.signature("seams.step", ("w",)).apply_async()
+    assert failures == []
+    (row,) = pending(lease_db)
+    assert row.task_id == result.id
+    broker.one("seams.step")
