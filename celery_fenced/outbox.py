@@ -246,7 +246,6 @@ def resend_pending(
 
 def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Resent:
     from celery_fenced import store
-    from celery_fenced.models import Lease
 
     extra = {"task_id": due.task_id, "lease_key": due.key}
 
@@ -258,15 +257,7 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
             "pending job %s[%s] abandoned: %s", due.task_name, due.task_id, reason, extra=extra
         )
         store.abandon_pending(alias, due, reason)
-        signals.send(
-            signals.lease_abandoned,
-            Lease,
-            key=due.key,
-            token=None,
-            owner="",
-            task_id=due.task_id,
-            reason=reason,
-        )
+        _signal(signals.lease_abandoned, due, reason=reason)
         return outcome("abandoned", reason)
 
     if due.sends > max_sends:
@@ -279,15 +270,7 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         {"eta": due.eta} if due.eta is not None and due.eta > timezone.now() else {}
     )
     try:
-        app.send_task(
-            job.task,
-            args=job.args,
-            kwargs=job.kwargs,
-            task_id=due.task_id,
-            add_to_parent=False,
-            **job.options,
-            **later,
-        )
+        reclaim.send_job(app, job, due.task_id, **later)
     except Exception as exc:
         logger.warning(
             "pending job %s[%s]: could not send it again (%r); the next sweep retries",
@@ -306,13 +289,12 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         max_sends,
         extra=extra,
     )
-    signals.send(
-        signals.lease_resent,
-        Lease,
-        key=due.key,
-        token=None,
-        owner="",
-        task_id=due.task_id,
-        attempt=due.sends,
-    )
+    _signal(signals.lease_resent, due, attempt=due.sends)
     return outcome("resent")
+
+
+def _signal(signal: Any, due: store.Due, **extra: Any) -> None:
+    """A lease signal for a pending job: its key, no token (it was never granted)."""
+    from celery_fenced.models import Lease
+
+    signals.send(signal, Lease, key=due.key, token=None, owner="", task_id=due.task_id, **extra)

@@ -203,6 +203,19 @@ def _queue_name(app: Celery, exchange: str | None, routing_key: str | None) -> s
     return None
 
 
+def send_job(app: Celery, job: Job, task_id: str, **more: Any) -> None:
+    """Send a recorded ``job`` again with its task id (``more``: options of this sending)."""
+    app.send_task(
+        job.task,
+        args=job.args,
+        kwargs=job.kwargs,
+        task_id=task_id,
+        add_to_parent=False,
+        **job.options,
+        **more,
+    )
+
+
 # -- the reclaimer -----------------------------------------------------------------------
 def reclaim_expired(
     app: Celery | None = None,
@@ -282,14 +295,7 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
         store.abandon(alias, claim, reason)
         return abandoned(reason)
     try:
-        app.send_task(
-            job.task,
-            args=job.args,
-            kwargs=job.kwargs,
-            task_id=claim.task_id,
-            add_to_parent=False,
-            **job.options,
-        )
+        send_job(app, job, claim.task_id)
     except Exception as exc:
         logger.warning(
             "lease %r: could not send task %s[%s] again (%r); the next sweep retries",

@@ -18,6 +18,7 @@ from django_celery_results.models import TaskResult
 from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
 from devtools.workers import broker_app, wait_for
+from tests.acceptance.test_task_workers import result_of
 from tests.conftest import DATABASE_ALIASES
 from tests.integration.test_outbox import rolled_back
 
@@ -45,17 +46,8 @@ def publisher(lease_db: str) -> Any:
     app.close()
 
 
-def finished(alias: str, task_id: str, timeout: float = 90) -> str:
-    row = wait_for(
-        lambda: (
-            TaskResult.objects.using(alias)
-            .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
-            .first()
-        ),
-        timeout,
-        f"task {task_id} to finish",
-    )
-    return str(row.status)
+def finished(alias: str, task_id: str) -> str:
+    return str(result_of(alias, task_id, 90)[0])
 
 
 def free_port() -> int:
