@@ -202,12 +202,16 @@ class FencedExecution:
         from celery_fenced import outbox
 
         plain = super().apply_async  # type: ignore[misc]
-        if (
-            more
-            or self.app.conf.task_always_eager
-            or outbox.sends_at_once()
-            or not self.fenced_options().outbox
-        ):
+        if outbox.sends_at_once() and self.fenced_options().outbox:
+            logger.info(
+                "task %s[%s]: sent at once, unrecorded (a retry, a replacement or a re-send "
+                "that cannot wait for a commit)",
+                self.name,
+                task_id,
+                extra={"task_id": task_id},
+            )
+            return plain(args, kwargs, task_id, *more, **options)
+        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
             return plain(args, kwargs, task_id, *more, **options)
         from celery.utils import uuid
 

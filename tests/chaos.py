@@ -644,6 +644,22 @@ LOST_IN_BROKER = "lost-in-broker"
 PLAIN_SEND_REFUSED = "plain-send-refused"
 
 
+def _outbox_row(task_id: str) -> str:
+    """What the outbox holds of ``task_id`` (evidence for a job that never finished)."""
+    try:
+        from celery_fenced.models import PendingJob
+    except ImportError:
+        return "no outbox"
+    row = PendingJob.objects.filter(task_id=task_id).first()
+    if row is None:
+        return "no pending row"
+    return (
+        f"pending row: published {row.published_at:%H:%M:%S.%f}, resend at "
+        f"{row.resend_at:%H:%M:%S.%f}, sends {row.sends}, unsent {row.unsent}, "
+        f"abandoned {row.abandoned_reason or '-'}"
+    )
+
+
 def _plain_send_refused(result: Any) -> bool:
     if result is None or result.status != "FAILURE":
         return False
@@ -774,7 +790,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
             if result is None or result.status not in workload.FINAL:
                 lost.add(job.name)
                 state = result.status if result else "no result"
-                text = f"{what}, key {key or '-'}): {state}"
+                text = f"{what}, key {key or '-'}): {state}; {_outbox_row(task_id)}"
                 violation("not-final", key, text, cause_of(job, task_id))
             elif not workload.accepted(job, result.status, result.result):
                 failed.add(job.name)
