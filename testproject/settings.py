@@ -151,5 +151,7 @@ if os.environ.get("FENCED_EVENTS"):  # "anomalies" (the default) or "all"
     CELERY_FENCED_EVENTS = os.environ["FENCED_EVENTS"]
 if os.environ.get("FENCED_OUTBOX"):  # "0": publish without the outbox (the chaos runner)
     CELERY_FENCED_OUTBOX = os.environ["FENCED_OUTBOX"] == "1"
+if os.environ.get("FENCED_OUTBOX_RESEND_AFTER"):  # seconds (the chaos runner: short)
+    CELERY_FENCED_OUTBOX_RESEND_AFTER = float(os.environ["FENCED_OUTBOX_RESEND_AFTER"])
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])

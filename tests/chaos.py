@@ -97,6 +97,7 @@ class Events:
     stops: list[list[Any]] = field(default_factory=list)
     pg_window_db: tuple[Any, Any] | None = None  # the PostgreSQL restart, DB clock
     redis_restarts: int = 0
+    redis_restart_times: list[dt.datetime] = field(default_factory=list)
     #: jobs whose publish raised (without the outbox: refused by a broker that was down)
     refused: list[str] = field(default_factory=list)
     #: workers that exited on their own (Celery/kombu gave up on the broker) and were
@@ -179,6 +180,9 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         # runs with the full trail; the lease statements are the same in both modes
         "FENCED_EVENTS": "all",
         "FENCED_OUTBOX": "1" if options.outbox else "0",
+        # what a worker records (a busy job's retry) is sent again after this, as what the
+        # runner records: within the drain, not after the default five minutes
+        "FENCED_OUTBOX_RESEND_AFTER": str(2 * options.ttl + options.visibility),
     }
     os.environ.update(env)
     import django
@@ -481,6 +485,7 @@ class Runner:
             self.note(f"Redis restart failed: {exc!r}")
             return
         self.events.redis_restarts += 1
+        self.events.redis_restart_times.append(dt.datetime.now())
         self.note("Redis is back, empty")
 
     # -- monitoring and reclaim ------------------------------------------------------
@@ -717,10 +722,12 @@ def _cause(result: Any, events: list[Any], task_id: str) -> str:
 
 
 def _lost_in_broker(job: Job, task_id: str, key: str, result: Any, events: Events) -> str:
-    """``LOST_IN_BROKER`` for a task never received by a worker while one was killed."""
+    """``LOST_IN_BROKER`` for a task never received by a worker while one was killed or
+    Redis restarted empty."""
     if key or result is not None or task_id in events.receipts or job.sent_at is None:
         return ""
-    return LOST_IN_BROKER if any(k >= job.sent_at for k in events.kill_times) else ""
+    faults = [*events.kill_times, *events.redis_restart_times]
+    return LOST_IN_BROKER if any(k >= job.sent_at for k in faults) else ""
 
 
 def _lost_in_restart(job: Job, task_id: str, key: str, result: Any, events: Events) -> str:
@@ -770,8 +777,10 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         key, result = key_of_task.get(task_id, ""), results.get(task_id)
         # a message a worker never sent was not lost by the broker
         was_sent = task_id in sent or task_id in workload.sent_by_runner(job)
-        # with the outbox a job the broker lost is sent again: its loss is no excuse
-        in_broker = was_sent and not options.outbox
+        # with the outbox a fenced job the broker lost is sent again: its loss is no
+        # excuse; a plain task (a chord's plain body) has no outbox
+        plain = task_id in {job.ids.get(role) for role in job.plain}
+        in_broker = was_sent and (plain or not options.outbox)
         return (
             (PLAIN_SEND_REFUSED if _plain_send_refused(result) else "")
             or _cause(result, history.get(key, []), task_id)

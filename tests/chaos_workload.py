@@ -80,6 +80,8 @@ class Job:
     #: "link", "errback"; compete "a", "b"
     ids: dict[str, str] = field(default_factory=dict)
     fail: bool = False  # a link parent that raises, so its errback must fire
+    #: roles whose task is plain (not fenced: no outbox), e.g. a chord's "body"
+    plain: frozenset[str] = frozenset()
 
 
 # -- sending -----------------------------------------------------------------------------
@@ -130,14 +132,18 @@ class Sender:
             self.sig("chaos.step", (None, name, n), {"seconds": self.seconds(0.5)})
             for n in range(3)
         ]
-        body = self.sig(self.rng.choice(["chaos.body", "chaos.fenced_body"]), (name,))
+        body_task = self.rng.choice(["chaos.body", "chaos.fenced_body"])
+        body = self.sig(body_task, (name,))
         # the result backend stores the chord's counter before any header is sent: while
         # the runner restarts PostgreSQL, a producer tries again, as an application would
         result = attempt_through(
             chord(header, body).apply_async, list(connections), "sending a chord"
         )
         ids = {f"h{n}": r.id for n, r in enumerate(result.parent.results)}
-        return self._job(name, "chord", {**ids, "body": result.id})
+        job = self._job(name, "chord", {**ids, "body": result.id})
+        if body_task == "chaos.body":
+            job.plain = frozenset({"body"})
+        return job
 
     def send_link(self, name: str) -> Job:
         fail = self.rng.random() < 0.4

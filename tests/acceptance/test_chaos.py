@@ -27,13 +27,13 @@ from tests import chaos, chaos_workload
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the bugs behind the checker's known causes (docs/reliability.md, known issues); with
-#: the outbox (the runner's default) a lost message is sent again, so none is excused
+#: the outbox (the runner's default) a fenced job's lost message is sent again, so only a
+#: plain task's (a chord's plain body) is excused
 KNOWN = {
     # not the package's: kombu's Redis transport, under SIGKILL
-    chaos.LOST_IN_BROKER: "not celery-fenced: kombu's Redis transport lost a message (a "
-    "worker was SIGKILLed between its BRPOP and recording the message as unacknowledged; "
-    "the message is then in neither the queue nor the unacked hash), so no worker ever "
-    "received it and, never granted, the reclaimer cannot send it again",
+    chaos.LOST_IN_BROKER: "not celery-fenced: the broker lost a message (a worker SIGKILLed "
+    "between its BRPOP and recording the message as unacknowledged, or Redis restarted "
+    "empty) of a job the outbox does not cover (a plain task, or the run without it)",
     # not the package's: a plain task has no outbox
     chaos.PLAIN_SEND_REFUSED: "not celery-fenced: a chord's plain (unfenced) body was "
     "published while Redis was down; only fenced jobs are recorded at publish, and Celery "
