@@ -246,7 +246,10 @@ class FencedExecution:
         else:
             kwargs["throw"] = False
         alias = self.lease.alias if self.lease is not None else store.database_alias()
-        with outbox.at_once_in_transaction(alias), self._proven():
+        # raised, the retry rolls back a transaction of the caller's: it cannot wait for
+        # that commit; not raised (throw=False), the commit comes and the outbox keeps it
+        at_once = outbox.at_once_in_transaction(alias) if throw else contextlib.nullcontext()
+        with at_once, self._proven():
             retried = super().retry(*args, **kwargs)  # type: ignore[misc]
         if throw:
             raise retried

@@ -67,15 +67,17 @@ def _fence_when_finalized(app: Any) -> None:
 
 
 def _fence_quietly(app: Any) -> None:
+    """Fence what is registered now; an invalid setting is left to the system checks and
+    to a worker's start, which name it once (here it would be a second copy)."""
     from celery_fenced.exceptions import FencedError
 
     try:
-        fence_configured_tasks(app)
+        fence_configured_tasks(app, warn_unmatched=False)
     except FencedError as exc:
-        logger.error("celery-fenced: the tasks of fenced_tasks are not fenced here: %s", exc)
+        logger.debug("fenced_tasks not applied at finalize: %s", exc)
 
 
-def fence_configured_tasks(app: Any) -> list[str]:
+def fence_configured_tasks(app: Any, *, warn_unmatched: bool = True) -> list[str]:
     """Give every task selected by ``fenced_tasks`` the fenced behaviour; return their names.
 
     Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
@@ -108,7 +110,7 @@ def fence_configured_tasks(app: Any) -> list[str]:
         for p in settings.tasks
         if not any(settings.options_for(n) is not None and _matches(p, n) for n in app.tasks)
     ]
-    for pattern in unmatched:
+    for pattern in unmatched if warn_unmatched else ():
         logger.warning("fenced_tasks: %r matches no registered task", pattern)
     return fenced
 
@@ -231,15 +233,12 @@ def on_worker_process_init(**kwargs: Any) -> None:
     from celery import current_app
     from celery.app.trace import build_tracer
 
-    from celery_fenced.execution import FencedExecution
-
     app = current_app
-    fence_configured_tasks(app)  # (when the app was finalized here, already done then)
-    for name, task in list(app.tasks.items()):
-        if isinstance(task, FencedExecution) and task._fenced_config is not None:
-            task.__trace__ = build_tracer(
-                name, task, app.loader, app.conf.get("hostname"), app=app
-            )
+    # only what is fenced now: a tracer the pool built (with the worker's nodename) for a
+    # task fenced before (at finalize, or in the parent before the fork) is kept
+    for name in fence_configured_tasks(app):
+        task = app.tasks[name]
+        task.__trace__ = build_tracer(name, task, app.loader, app.conf.get("hostname"), app=app)
 
 
 def on_process_shutdown(**kwargs: Any) -> None:

@@ -382,3 +382,24 @@ def test_lease_database_away_at_publish__waited_out_then_recorded_and_sent(
     (row,) = pending(lease_db)
     assert row.task_id == result.id
     broker.one("seams.step")
+
+
+def test_retry_not_raised_in_a_committed_transaction__recorded_by_the_outbox(
+    broker: Broker, lease_db: str
+) -> None:
+    """``self.retry(throw=False)`` inside ``transaction.atomic()``: nothing rolls that
+    transaction back, so the retry is recorded in it and sent when it commits."""
+    app = broker.app
+
+    @app.task(name="outbox.retry_nothrow", bind=True, base=FencedTask, shared=False)
+    def retry_nothrow(self: Any, value: int) -> int:
+        if self.request.retries == 0:
+            with transaction.atomic(using=lease_db):
+                self.retry(countdown=1, throw=False)
+                assert len(broker.sent("outbox.retry_nothrow")) == 1  # on commit, not now
+        return value
+
+    result = retry_nothrow.apply_async((1,))
+    deliver(app, broker.one("outbox.retry_nothrow"))
+    assert [row.task_id for row in pending(lease_db)] == [result.id]
+    assert len(broker.sent("outbox.retry_nothrow")) == 2

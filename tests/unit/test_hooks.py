@@ -151,3 +151,20 @@ def test_fenced_options__kept_until_the_settings_or_the_task_options_change() ->
     assert configured.fenced_options().ttl == 5.0
     configured._fenced_config = {"ttl": 7}
     assert configured.fenced_options().ttl == 7.0
+
+
+def test_on_worker_process_init__keeps_the_tracers_the_pool_built() -> None:
+    """Prefork builds each tracer with the worker's nodename; a task fenced before (at
+    finalize, or in the parent before the fork) keeps it: only what is fenced now is
+    rebuilt."""
+    from celery.app.trace import build_tracer
+
+    from celery_fenced.hooks import on_worker_process_init
+
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
+    app.set_current()
+    task = app.tasks["mod.add"]
+    task.__trace__ = build_tracer(task.name, task, app.loader, "w1@node", app=app)
+    before = task.__trace__
+    on_worker_process_init()
+    assert task.__trace__ is before
