@@ -466,11 +466,14 @@ class FencedExecution:
             raise retry(exc=exc, countdown=countdown, max_retries=limit, **options)
         except Reject as rejected:
             # Celery's retry() rejects the message without requeueing when the re-send
-            # cannot be published, and the worker then records the job as FAILURE: for a
-            # re-send of the package's own (a busy key, a lost grant, a database error)
-            # the message goes back to the queue instead, so the job is not lost.
+            # cannot be published (the broker, or the outbox's database, away), and the
+            # worker then records the job as FAILURE: for a re-send of the package's own
+            # (a busy key, a lost grant, a database error) the message goes back to the
+            # queue instead, so the job is not lost.
             reason = getattr(rejected, "reason", None)
-            if not eager and isinstance(reason, (KombuOperationalError, OSError)):
+            if not eager and isinstance(
+                reason, (KombuOperationalError, OSError, OperationalError, InterfaceError)
+            ):
                 raise Reject(reason, requeue=True) from reason
             raise
         finally:

@@ -38,7 +38,8 @@ def at_once_in_transaction(alias: str) -> Iterator[None]:
     """Inside it, a publish sends at once, unrecorded, when a transaction is already open
     on ``alias``: its commit would never come (the exception that follows rolls it back),
     and the row and the message would go with it. Outside a transaction nothing changes."""
-    marker = _at_once.set(connections[alias].in_atomic_block)
+    # never turns off an outer at-once (``unrecorded``: the database is away)
+    marker = _at_once.set(_at_once.get(False) or connections[alias].in_atomic_block)
     try:
         yield
     finally:

@@ -403,3 +403,27 @@ def test_retry_not_raised_in_a_committed_transaction__recorded_by_the_outbox(
     deliver(app, broker.one("outbox.retry_nothrow"))
     assert [row.task_id for row in pending(lease_db)] == [result.id]
     assert len(broker.sent("outbox.retry_nothrow")) == 2
+
+
+def test_database_down_before_the_grant__the_retry_is_sent_unrecorded(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grant met a database outage: the worker's re-send of the job cannot be
+    recorded in that database, so it goes to the broker as before (the outbox is not
+    tried: waiting out the outage there would end in a rejected, lost message)."""
+    from django.db import OperationalError
+
+    from celery_fenced import store
+
+    app = broker.app
+    result = app.signature("seams.step", ("o",)).apply_async()
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr(store, "acquire", down)
+    monkeypatch.setattr(store, "record_pending", down)
+    deliver(app, broker.one("seams.step"))
+    first, again = broker.sent("seams.step")
+    assert first[0]["id"] == again[0]["id"] == result.id
+    assert again[0]["eta"] is not None  # the backoff
