@@ -64,11 +64,7 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
     )
     rows = queryset.iterator() if limit == 0 else queryset[:limit]
     records = [_record(lease) for lease in rows]
-    if options.get("json"):
-        io.write(json.dumps(records, indent=2))
-        return
-    if not records:
-        io.write("No leases.")
+    if _written_as_json_or_empty(io, options, records, "No leases."):
         return
     table = [
         (
@@ -81,10 +77,8 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
         )
         for r in records
     ]
-    for line in _table(("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
-        io.write(line)
-    if limit and len(records) == limit:
-        io.write(f"(first {limit}; --limit 0 lists all)")
+    header = ("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES")
+    _write_table(io, header, table, limit, len(records))
 
 
 def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
@@ -107,11 +101,7 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
         }
         for row in rows
     ]
-    if options.get("json"):
-        io.write(json.dumps(records, indent=2))
-        return
-    if not records:
-        io.write("No pending jobs.")
+    if _written_as_json_or_empty(io, options, records, "No pending jobs."):
         return
     table = [
         (
@@ -126,9 +116,30 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
         for r in records
     ]
     header = ("TASK ID", "TASK", "KEY", "PUBLISHED", "SENT AGAIN AT", "SENDS", "STATE")
-    for line in _table(header, table):
+    _write_table(io, header, table, limit, len(records))
+
+
+def _written_as_json_or_empty(
+    io: IO, options: dict[str, Any], records: list[dict[str, Any]], empty: str
+) -> bool:
+    """Write ``records`` as JSON (``--json``) or ``empty`` when there are none; whether
+    that was all there is to write."""
+    if options.get("json"):
+        io.write(json.dumps(records, indent=2))
+        return True
+    if not records:
+        io.write(empty)
+        return True
+    return False
+
+
+def _write_table(
+    io: IO, header: tuple[str, ...], rows: Iterable[tuple[str, ...]], limit: int, count: int
+) -> None:
+    """A listing's table, and a word when ``--limit`` cut it short."""
+    for line in _table(header, rows):
         io.write(line)
-    if limit and len(records) == limit:
+    if limit and count == limit:
         io.write(f"(first {limit}; --limit 0 lists all)")
 
 

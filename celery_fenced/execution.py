@@ -26,7 +26,7 @@ from celery_fenced.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from celery_fenced.store import HeldLease
+    from celery_fenced.store import Delivery, HeldLease
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,9 @@ class FencedExecution:
         from celery_fenced import outbox
 
         plain = super().apply_async  # type: ignore[misc]
-        if outbox.sends_at_once() and self.fenced_options().outbox:
+        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
+            return plain(args, kwargs, task_id, *more, **options)
+        if outbox.sends_at_once():
             logger.info(
                 "task %s[%s]: sent at once, unrecorded (a retry, a replacement or a re-send "
                 "that cannot wait for a commit)",
@@ -210,9 +212,7 @@ class FencedExecution:
                 task_id,
                 extra={"task_id": task_id},
             )
-            return plain(args, kwargs, task_id, *more, **options)
-        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
-            return plain(args, kwargs, task_id, *more, **options)
+            return plain(args, kwargs, task_id, **options)
         from celery.utils import uuid
 
         chosen = task_id or uuid()
@@ -238,17 +238,20 @@ class FencedExecution:
         execution sends none (it gets :class:`StaleToken`). ``Retry`` is raised once the
         guard has committed: the outbox sends the message on that commit.
         """
-        from celery_fenced import outbox, store
+        from celery_fenced import outbox
 
         throw = kwargs.pop("throw", True)
         if len(args) > 3:  # retry(args, kwargs, exc, throw, ...)
             throw, args = args[3], (*args[:3], False, *args[4:])
         else:
             kwargs["throw"] = False
-        alias = self.lease.alias if self.lease is not None else store.database_alias()
         # raised, the retry rolls back a transaction of the caller's: it cannot wait for
         # that commit; not raised (throw=False), the commit comes and the outbox keeps it
-        at_once = outbox.at_once_in_transaction(alias) if throw else contextlib.nullcontext()
+        at_once = (
+            outbox.at_once_in_transaction(self._lease_alias())
+            if throw
+            else contextlib.nullcontext()
+        )
         with at_once, self._proven():
             retried = super().retry(*args, **kwargs)  # type: ignore[misc]
         if throw:
@@ -261,11 +264,10 @@ class FencedExecution:
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
-        from celery_fenced import outbox, store
+        from celery_fenced import outbox
         from celery_fenced.store import REPLACED
 
-        alias = self.lease.alias if self.lease is not None else store.database_alias()
-        with outbox.at_once_in_transaction(alias), self._proven():
+        with outbox.at_once_in_transaction(self._lease_alias()), self._proven():
             try:
                 return super().replace(sig)  # type: ignore[misc]
             except Ignore as exc:
@@ -317,11 +319,7 @@ class FencedExecution:
 
         request = self.request
         retries = int(getattr(request, "retries", 0) or 0)
-        delivery = (
-            store.Delivery(task_id, keys.message_digest(task_id, self.name, args, kwargs), retries)
-            if task_id
-            else None
-        )
+        delivery = self._delivery(task_id, args, kwargs) if task_id else None
         # what the reclaimer needs to send the job again, written by the grant itself
         job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
         try:
@@ -352,6 +350,20 @@ class FencedExecution:
             )
             raise Ignore() from None
 
+    def _delivery(self, task_id: str, args: Any, kwargs: Any) -> Delivery:
+        """This execution's delivery: task id, message digest, retry count."""
+        from celery_fenced import store
+
+        retries = int(getattr(self.request, "retries", 0) or 0)
+        digest = keys.message_digest(task_id, self.name, args, kwargs)
+        return store.Delivery(task_id, digest, retries)
+
+    def _lease_alias(self) -> str:
+        """The database of this execution's lease (the lease database when none is held)."""
+        from celery_fenced import store
+
+        return self.lease.alias if self.lease is not None else store.database_alias()
+
     def _end_delivery(
         self, alias: str, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
@@ -359,10 +371,8 @@ class FencedExecution:
         of it the outbox sent again, arriving once the key is free, is a duplicate."""
         from celery_fenced import store
 
-        retries = int(getattr(self.request, "retries", 0) or 0)
-        digest = keys.message_digest(task_id, self.name, args, kwargs)
         try:
-            store.mark_ended(alias, store.Delivery(task_id, digest, retries))
+            store.mark_ended(alias, self._delivery(task_id, args, kwargs))
         except Exception:
             logger.warning("could not mark %s ended as busy", task_id, exc_info=True)
 

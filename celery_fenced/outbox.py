@@ -95,7 +95,8 @@ def publish(
     settings = conf.load(task.app)
     alias = store.database_alias()
     args, kwargs = list(args or ()), dict(kwargs or {})
-    job = _encoded(task, args, kwargs, task_id, options)
+    expires = _expiry(options.get("expires"))
+    job = _encoded(task, args, kwargs, task_id, options, expires)
     if job is None:
         return send(False)
     pending = store.Pending(
@@ -105,7 +106,7 @@ def publish(
         job=job,
         countdown=_seconds(options.get("countdown")),
         eta=_moment(options.get("eta")),
-        expires=_expiry(options.get("expires")),
+        expires=expires,
         resend_after=settings.outbox_resend_after,
     )
     in_transaction = connections[alias].in_atomic_block
@@ -147,6 +148,7 @@ def _encoded(
     kwargs: dict[str, Any],
     task_id: str,
     options: Mapping[str, Any],
+    expires: float | dt.datetime | None,
 ) -> str | None:
     """The job as the reclaimer sends it again, or None when JSON cannot carry it."""
     kept = {
@@ -154,7 +156,6 @@ def _encoded(
         for name, value in options.items()
         if name in reclaim.OPTION_NAMES and value is not None and name != "expires"
     }
-    expires = _expiry(options.get("expires"))
     if expires is not None:  # absolute: a later sending keeps the first one's deadline
         kept["expires"] = (
             expires
@@ -199,7 +200,8 @@ def _moment(value: Any) -> dt.datetime | None:
 
 
 def _expiry(value: Any) -> float | dt.datetime | None:
-    return _seconds(value) if _moment(value) is None else _moment(value)
+    moment = _moment(value)
+    return _seconds(value) if moment is None else moment
 
 
 # -- sending again (the reclaimer) -------------------------------------------------------
