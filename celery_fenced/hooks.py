@@ -42,12 +42,13 @@ def connect() -> None:
 
 
 def fence_in_every_process() -> None:
-    """Give the tasks of ``fenced_tasks`` their fenced class in every process, not only in
-    workers: a web process publishing one must go through the outbox too.
+    """Give the tasks of ``fenced_tasks`` their fenced class in any process, not only at
+    a worker's start, so that what a process publishes of them goes through the outbox.
 
-    Done when each Celery app is finalized (all its tasks known), as Celery's own
-    ``shared_task`` registers itself (``celery._state.connect_on_app_finalize``); an
-    invalid setting is logged here (system checks and workers name it as an error).
+    Done when each Celery app is finalized, as Celery's own ``shared_task`` registers
+    itself (``celery._state.connect_on_app_finalize``): a task registered after that (a
+    tasks module Django's autodiscovery imports later, in a web process or beat) is not
+    reached. An invalid setting is left to the system checks and the worker's start.
     """
     from celery import _state
 
