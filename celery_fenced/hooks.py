@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, NoReturn
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, cast
 
 from celery import signals
+from celery.app.registry import TaskRegistry
 from celery.worker.request import Request
 
 logger = logging.getLogger(__name__)
@@ -45,21 +48,25 @@ def fence_in_every_process() -> None:
     """Give the tasks of ``fenced_tasks`` their fenced class in any process, not only at
     a worker's start, so that what a process publishes of them goes through the outbox.
 
-    Done when each Celery app is finalized, as Celery's own ``shared_task`` registers
-    itself (``celery._state.connect_on_app_finalize``): a task registered after that (a
-    tasks module Django's autodiscovery imports later, in a web process or beat) is not
-    reached. An invalid setting is left to the system checks and the worker's start.
+    Done when each Celery app is finalized (``celery._state.connect_on_app_finalize``,
+    as Celery's own ``shared_task`` registers itself), and from then on for each task
+    registered later — a tasks module imported after finalize, as Django's
+    autodiscovery or a view's import does in a web process or beat — through the
+    app's task registry. An invalid setting is left to the system checks and the
+    worker's start.
     """
     from celery import _state
 
     _state.connect_on_app_finalize(_fence_when_finalized)
     for app in list(_state._get_active_apps()):  # type: ignore[attr-defined]
         if app.finalized:
+            _fence_later_registrations(app)
             _fence_quietly(app)
 
 
 def _fence_when_finalized(app: Any) -> None:
     # called at the start of finalize: the tasks are all there once it has ended
+    _fence_later_registrations(app)
     app.on_after_finalize.connect(
         lambda sender, **kwargs: _fence_quietly(sender),
         weak=False,
@@ -67,19 +74,52 @@ def _fence_when_finalized(app: Any) -> None:
     )
 
 
-def _fence_quietly(app: Any) -> None:
-    """Fence what is registered now; an invalid setting is left to the system checks and
-    to a worker's start, which name it once (here it would be a second copy)."""
+def _fence_quietly(app: Any, names: Iterable[str] | None = None) -> None:
+    """Fence what is registered now (or only ``names``); an invalid setting is left to
+    the system checks and to a worker's start, which name it once (here it would be a
+    second copy)."""
     from celery_fenced.exceptions import FencedError
 
     try:
-        fence_configured_tasks(app, warn_unmatched=False)
+        fence_configured_tasks(app, warn_unmatched=False, names=names)
     except FencedError as exc:
-        logger.debug("fenced_tasks not applied at finalize: %s", exc)
+        logger.debug("fenced_tasks not applied: %s", exc)
 
 
-def fence_configured_tasks(app: Any, *, warn_unmatched: bool = True) -> list[str]:
-    """Give every task selected by ``fenced_tasks`` the fenced behaviour; return their names.
+class _FencingRegistry(TaskRegistry):
+    """A finalized app's task registry: a task registered from then on that
+    ``fenced_tasks`` selects is given its fenced class as it is registered (Celery's
+    ``_task_from_fun``, ``shared_task`` and ``register_task`` all store through here)."""
+
+    _fenced_app: Callable[[], Any]
+
+    def __setitem__(self, name: str, task: Any) -> None:
+        super().__setitem__(name, task)
+        app = self._fenced_app()
+        if app is None or not app.finalized:
+            return
+        try:
+            _fence_quietly(app, [name])
+        except Exception:  # never break a registration: a worker's start fences again
+            logger.warning("celery-fenced: could not fence task %r", name, exc_info=True)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TaskRegistry, (dict(self),))  # a copy is a plain registry (no app reference)
+
+
+def _fence_later_registrations(app: Any) -> None:
+    registry = app._tasks
+    if type(registry) is not TaskRegistry:
+        return  # ours already, or an app's own registry class: fenced at finalize only
+    registry.__class__ = _FencingRegistry
+    cast(_FencingRegistry, registry)._fenced_app = weakref.ref(app)
+
+
+def fence_configured_tasks(
+    app: Any, *, warn_unmatched: bool = True, names: Iterable[str] | None = None
+) -> list[str]:
+    """Give every task selected by ``fenced_tasks`` the fenced behaviour (or only those
+    of ``names``); return the names of the tasks fenced now.
 
     Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
     invalid settings.
@@ -89,7 +129,9 @@ def fence_configured_tasks(app: Any, *, warn_unmatched: bool = True) -> list[str
 
     settings = conf.load(app)
     fenced = []
-    for name, task in list(app.tasks.items()):
+    registry = app._tasks if names is not None else app.tasks
+    for name in list(registry if names is None else names):
+        task = registry[name]
         options = settings.options_for(name)
         if options is None:
             continue
@@ -108,10 +150,10 @@ def fence_configured_tasks(app: Any, *, warn_unmatched: bool = True) -> list[str
             keys.check_template(name, checked.key, task.run)
     unmatched = [
         p
-        for p in settings.tasks
+        for p in (settings.tasks if warn_unmatched else ())
         if not any(settings.options_for(n) is not None and _matches(p, n) for n in app.tasks)
     ]
-    for pattern in unmatched if warn_unmatched else ():
+    for pattern in unmatched:
         logger.warning("fenced_tasks: %r matches no registered task", pattern)
     return fenced
 

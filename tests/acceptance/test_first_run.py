@@ -228,3 +228,44 @@ def test_first_run__fenced_settings_without_the_app_stop_the_worker(tmp_path: Pa
         "['celery_fenced'] (CELERY_FENCED_TASKS would be ignored: the tasks they name would "
         "run unfenced)"
     ], run.stdout
+
+
+WEB_PUBLISH = """\
+from django.db import transaction
+
+from celery_fenced.models import PendingJob
+from proj.celery import app
+
+app.finalize()  # as anything touching app.tasks does before a view imports its tasks
+from shop.tasks import plain  # a tasks module imported after finalize, by a view
+
+class RolledBack(Exception):
+    pass
+
+try:
+    with transaction.atomic():
+        plain.delay(1)
+        raise RolledBack
+except RolledBack:
+    pass
+print("after rollback:", PendingJob.objects.count())
+with transaction.atomic():
+    result = plain.delay(2)
+print("after commit:", list(PendingJob.objects.values_list("task_id", flat=True)) == [result.id])
+"""
+
+
+def test_first_run__web_process_publish_of_a_fenced_tasks_task_goes_through_the_outbox(
+    tmp_path: Path,
+) -> None:
+    """A Django process (the shell, as a view would) whose tasks module is imported after
+    the Celery app is finalized: a task fenced by ``fenced_tasks`` alone is recorded at
+    publish and sent on commit — a rolled-back transaction sends nothing."""
+    root = freshproject.make(tmp_path, settings='CELERY_FENCED_TASKS = {"shop.tasks.plain": {}}')
+    migrate = freshproject.run(root, "manage.py", "migrate", "-v0")
+    assert migrate.returncode == 0, migrate.stdout
+    run = freshproject.run(root, "manage.py", "shell", "-c", WEB_PUBLISH)
+    assert run.returncode == 0, run.stdout
+    assert "after rollback: 0" in run.stdout
+    assert "after commit: True" in run.stdout
+    assert len(list((root / "broker").iterdir())) == 1  # the committed one only

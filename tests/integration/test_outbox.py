@@ -427,3 +427,30 @@ def test_database_down_before_the_grant__the_retry_is_sent_unrecorded(
     first, again = broker.sent("seams.step")
     assert first[0]["id"] == again[0]["id"] == result.id
     assert again[0]["eta"] is not None  # the backoff
+
+
+def test_fenced_tasks_task_registered_after_finalize__published_through_the_outbox(
+    broker: Broker, lease_db: str
+) -> None:
+    """A web process imports its tasks modules after the app is finalized (Django's
+    autodiscovery, a view's import): a ``fenced_tasks`` task registered then is fenced as
+    it registers, so its publish in a rolled-back transaction sends nothing."""
+    app = broker.app
+    app.conf.fenced_tasks = {"late.*": {"ttl": 30}}
+    app.finalize()
+
+    def late_report(report_id: int) -> int:
+        return report_id
+
+    task = app.task(name="late.report", shared=False)(late_report)
+    rolled_back(lease_db, lambda: task.delay(1))
+    assert broker.sent("late.report") == []
+    with transaction.atomic(using=lease_db):
+        result = task.delay(2)
+        assert broker.sent("late.report") == []
+    (headers, _body) = broker.one("late.report")
+    assert headers["id"] == result.id
+    assert [row.task_id for row in pending(lease_db)] == [result.id]
+    deliver(app, broker.one("late.report"))
+    assert status(lease_db, result.id) == (states.SUCCESS, "2")
+    assert pending(lease_db) == []

@@ -65,6 +65,55 @@ def test_configured_tasks__fenced_when_the_app_is_finalized_in_any_process() -> 
     assert fence_configured_tasks(app) == []  # already done
 
 
+def test_configured_task_registered_after_finalize__fenced_as_it_is_registered() -> None:
+    """A tasks module imported after the app is finalized (Django's autodiscovery or a
+    view's import in a web process) registers its tasks through the app's registry:
+    each one ``fenced_tasks`` selects is fenced there, before anything publishes it."""
+    app = fresh_app(fenced_tasks={"late.*": {"ttl": 7}})
+    assert app.finalized
+
+    def late(x: int) -> int:
+        return x
+
+    task = app.task(name="late.job", shared=False)(late)
+    assert isinstance(task, FencedExecution)
+    assert task is app.tasks["late.job"]
+    assert (task.acks_late, task.reject_on_worker_lost) == (True, True)
+    assert task.fenced_options().ttl == 7.0
+    assert task.app is app
+    assert task.name == "late.job"
+    other = app.task(name="elsewhere.job", shared=False)(late)
+    assert not isinstance(other, FencedExecution)
+
+
+def test_shared_task_registered_after_finalize__fenced_on_every_finalized_app() -> None:
+    from celery import shared_task
+
+    app = fresh_app(fenced_tasks={"shared_late.*": {"ttl": 9}})
+
+    def shared_late(x: int) -> int:
+        return x
+
+    shared_task(name="shared_late.job")(shared_late)
+    task = app.tasks["shared_late.job"]
+    assert isinstance(task, FencedExecution)
+    assert task.fenced_options().ttl == 9.0
+
+
+def test_invalid_option_at_a_late_registration__registered_and_left_to_the_worker() -> None:
+    """Registration in a web process never fails on our account: the system checks and
+    the worker's start name the setting."""
+    app = fresh_app(fenced_tasks={"bad.*": {"ttl": 0}})
+
+    def bad(x: int) -> int:
+        return x
+
+    task = app.task(name="bad.job", shared=False)(bad)
+    assert app.tasks["bad.job"] is task
+    with pytest.raises(FencedConfigurationError, match=r"fenced_tasks\['bad\.\*'\] ttl"):
+        fence_configured_tasks(app)
+
+
 def test_fence_configured_tasks__idempotent() -> None:
     app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
     fence_configured_tasks(app)
