@@ -98,6 +98,8 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
             "unsent": row.unsent,
             "abandoned_at": _iso(row.abandoned_at),
             "abandoned_reason": row.abandoned_reason,
+            "unique": row.unique_until or None,
+            "started_token": row.started_token,
         }
         for row in rows
     ]
@@ -111,12 +113,21 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
             str(r["published_at"] or "-"),
             str(r["resend_at"] or "-"),
             str(r["sends"]),
-            "abandoned" if r["abandoned_at"] else "unsent" if r["unsent"] else "pending",
+            _pending_state(r),
         )
         for r in records
     ]
     header = ("TASK ID", "TASK", "KEY", "PUBLISHED", "SENT AGAIN AT", "SENDS", "STATE")
     _write_table(io, header, table, limit, len(records))
+
+
+def _pending_state(record: dict[str, Any]) -> str:
+    if record["abandoned_at"]:
+        return "abandoned"
+    if record["started_token"] is not None:  # lease_unique="until_done": its run holds the key
+        return f"running (token {record['started_token']}, unique)"
+    state = "unsent" if record["unsent"] else "pending"
+    return f"{state} (unique)" if record["unique"] else state
 
 
 def _written_as_json_or_empty(

@@ -21,7 +21,9 @@ from celery_fenced.exceptions import FencedConfigurationError
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
 #: what the audit trail records: the anomalies only, or every grant and release too
 EVENTS_CHOICES = ("anomalies", "all")
-TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim", "outbox")
+TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim", "outbox", "unique")
+#: ``lease_unique``: no second copy queued while one is waiting, or waiting or running
+UNIQUE_CHOICES = ("until_started", "until_done")
 #: task name prefixes a glob pattern never selects (an exact name still does)
 NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
 
@@ -92,6 +94,15 @@ def validate_bool(value: object, name: str) -> bool:
     return value
 
 
+def validate_unique(value: object, name: str) -> str | None:
+    """``None`` (no uniqueness) or one of :data:`UNIQUE_CHOICES`."""
+    if value is not None and value not in UNIQUE_CHOICES:
+        raise FencedConfigurationError(
+            f"{name} must be one of {', '.join(map(repr, UNIQUE_CHOICES))} or None, got {value!r}"
+        )
+    return None if value is None else str(value)
+
+
 def validate_renew_interval(value: object, ttl: float, name: str) -> float:
     interval = validate_ttl(value, name)
     if interval >= ttl:
@@ -114,6 +125,9 @@ class TaskOptions:
     reclaim: bool | None = None
     # record the job at publish (the outbox): sent on commit, sent again if never granted
     outbox: bool = True
+    # no second copy of the job (same lease key) queued: "until_started" while one is
+    # waiting, "until_done" while one is waiting or running; None: no such rule
+    unique: str | None = None
 
     def __post_init__(self) -> None:
         if self.reclaim is None:
@@ -175,6 +189,7 @@ class FencedSettings:
         key: object = None,
         reclaim: object = None,
         outbox: object = None,
+        unique: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
         real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
@@ -196,6 +211,13 @@ class FencedSettings:
         if chosen is None:
             chosen = self.reclaim
         recorded = self.outbox if outbox is None else validate_bool(outbox, f"{where} outbox")
+        one_copy = validate_unique(unique, f"{where} unique")
+        if one_copy is not None and not recorded:
+            raise FencedConfigurationError(
+                f"{where} unique={one_copy!r} needs the outbox (it is decided by the job's "
+                "row in the lease database at publish): set fenced_outbox and the task's "
+                "outbox option to True, or unique to None"
+            )
         return TaskOptions(
             ttl=real_ttl,
             on_busy=busy,
@@ -203,6 +225,7 @@ class FencedSettings:
             key=key,
             reclaim=chosen,
             outbox=recorded,
+            unique=one_copy,
         )
 
 
@@ -389,6 +412,7 @@ def _load(app: Any) -> FencedSettings:
             key=options.get("key"),
             reclaim=options.get("reclaim"),
             outbox=options.get("outbox"),
+            unique=options.get("unique"),
         )
     return settings
 

@@ -40,7 +40,8 @@ class FencedExecution:
     """The fencing of one task execution; mixed into task classes.
 
     Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
-    ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``, ``lease_outbox``);
+    ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``, ``lease_outbox``,
+    ``lease_unique``);
     tasks fenced through the ``fenced_tasks`` setting get them from there
     (``_fenced_config``).
     """
@@ -51,6 +52,7 @@ class FencedExecution:
     lease_renew_interval: float | None = None
     lease_reclaim: bool | None = None
     lease_outbox: bool | None = None
+    lease_unique: str | None = None
     _fenced_config: dict[str, Any] | None = None
     #: the worker's request class: it tells the backend which pool process ended
     Request = "celery_fenced.requests:FencedRequest"
@@ -77,6 +79,7 @@ class FencedExecution:
             self.lease_key,
             self.lease_reclaim,
             self.lease_outbox,
+            self.lease_unique,
         )
         kept = self.__dict__.get("_fenced_options_kept")
         if kept is not None and all(map(operator.is_, kept[0], sources)):
@@ -96,6 +99,7 @@ class FencedExecution:
                 key=config.get("key"),
                 reclaim=config.get("reclaim"),
                 outbox=config.get("outbox"),
+                unique=config.get("unique"),
             )
         return settings.task_options(
             f"task {self.name!r}",
@@ -105,6 +109,7 @@ class FencedExecution:
             key=self.lease_key,
             reclaim=self.lease_reclaim,
             outbox=self.lease_outbox,
+            unique=self.lease_unique,
         )
 
     @property
@@ -252,7 +257,7 @@ class FencedExecution:
             if throw
             else contextlib.nullcontext()
         )
-        with at_once, self._proven():
+        with at_once, outbox.same_job(), self._proven():
             retried = super().retry(*args, **kwargs)  # type: ignore[misc]
         if throw:
             raise retried

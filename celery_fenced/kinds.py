@@ -37,6 +37,7 @@ KINDS: dict[LeaseEvent.Kind, KindStyle] = {
     Kind.DUPLICATE: KindStyle("#6a4c93", "none", "lease_duplicate"),
     Kind.RESENT: KindStyle("#1565c0", "none", "lease_resent"),
     Kind.ABANDONED: KindStyle("#4e342e", "none", "lease_abandoned"),
+    Kind.DEDUPLICATED: KindStyle("#00838f", "none", "lease_deduplicated"),
 }
 
 #: the colour of a kind this version does not know (an event written by a newer one)

@@ -90,7 +90,7 @@ class Lease(models.Model):
         verbose_name = "lease"
         constraints = [
             models.UniqueConstraint(fields=["key"], name="celery_fenced_lease_key_uniq"),
-            _check(Q(token__gte=1), "celery_fenced_lease_token_positive"),
+            _check(Q(token__gte=0), "celery_fenced_lease_token_not_negative"),
             _check(Q(expires_at__gte=models.F("acquired_at")), "celery_fenced_lease_expiry_order"),
         ]
         indexes = [
@@ -164,6 +164,24 @@ class PendingJob(models.Model):
         null=True, blank=True, help_text="Given up after fenced_reclaim_max sendings."
     )
     abandoned_reason = models.CharField(max_length=255, blank=True, default="")
+    unique_key = models.CharField(
+        max_length=KEY_MAX_LENGTH,
+        null=True,
+        blank=True,
+        unique=True,
+        help_text="The key of a lease_unique job: one queued copy per key.",
+    )
+    unique_until = models.CharField(
+        max_length=16,
+        blank=True,
+        default="",
+        help_text="lease_unique: until_started or until_done (this row is kept while it runs).",
+    )
+    started_token = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="until_done: the token of its grant (running while that grant is held).",
+    )
 
     class Meta:
         verbose_name = "pending job"
@@ -189,6 +207,7 @@ class LeaseEvent(models.Model):
         DUPLICATE = "duplicate"
         RESENT = "resent"
         ABANDONED = "abandoned"
+        DEDUPLICATED = "deduplicated"
 
     lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="events")
     kind = models.CharField(max_length=32, choices=Kind.choices)

@@ -61,6 +61,21 @@ def sends_at_once() -> bool:
     return _at_once.get(False)
 
 
+#: set while a task re-publishes the job it is running (its retry): a ``lease_unique``
+#: job keeps its place rather than being refused as a copy of itself
+_same_job: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_same_job")
+
+
+@contextlib.contextmanager
+def same_job() -> Iterator[None]:
+    """Inside it, a publish is the running job again (a retry), not a new copy."""
+    marker = _same_job.set(True)
+    try:
+        yield
+    finally:
+        _same_job.reset(marker)
+
+
 if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
@@ -84,7 +99,9 @@ def publish(
     ``deferred``: the send waits for the caller's transaction (what the call lent, a
     producer, may be gone by then).
 
-    Returns the job's result handle at once. A lease database that cannot be written
+    Returns the job's result handle at once — for a ``lease_unique`` job whose key has a
+    copy queued (or running, ``until_done``), that copy's handle instead, and nothing is
+    recorded or sent (a ``deduplicated`` event says so). A lease database that cannot be written
     (after an outage's retries) raises its error. A broker that refuses the message does
     not lose the job: the row stands, the failure is logged, and the reclaimer's next sweep
     sends it (the caller is not told with an error: in a web request the transaction that
@@ -108,17 +125,21 @@ def publish(
         eta=_moment(options.get("eta")),
         expires=expires,
         resend_after=settings.outbox_resend_after,
+        unique=task.fenced_options().unique,
+        same_job=_same_job.get(False),
     )
     in_transaction = connections[alias].in_atomic_block
     # the database away for a moment (a restart, a failover) is waited out, as a result
     # write waits; then, or inside the caller's transaction, its error is the caller's:
     # a job sent unrecorded could be lost by the broker with nothing to send it again
-    outages.attempt_through(
+    standing = outages.attempt_through(
         lambda: store.record_pending(alias, pending),
         [alias],
         f"could not record task {task.name}[{task_id}] in the outbox",
         extra={"task_id": task_id},
     )
+    if standing != task_id:
+        return _deduplicated(task, alias, pending, standing)
 
     def send_recorded() -> None:
         try:
@@ -139,6 +160,38 @@ def publish(
 
     transaction.on_commit(send_recorded, using=alias)
     result: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
+    return result
+
+
+def _deduplicated(
+    task: FencedExecution, alias: str, pending: store.Pending, standing: str
+) -> AsyncResult[Any]:
+    """A ``lease_unique`` publish refused: the copy that stands is the caller's result."""
+    from celery_fenced import store
+    from celery_fenced.models import Lease
+
+    token, owner = store.record_deduplicated(
+        alias, pending.key, task.name, standing, pending.task_id
+    )
+    logger.info(
+        "task %s: a copy of key %r is already %s (%s): not queued again (lease_unique=%s)",
+        task.name,
+        pending.key,
+        "queued or running" if pending.unique == "until_done" else "queued",
+        standing,
+        pending.unique,
+        extra={"task_id": standing, "lease_key": pending.key},
+    )
+    signals.send(
+        signals.lease_deduplicated,
+        Lease,
+        key=pending.key,
+        token=token,
+        owner=owner,
+        task_id=standing,
+        refused_task_id=pending.task_id,
+    )
+    result: AsyncResult[Any] = task.AsyncResult(standing)  # type: ignore[attr-defined]
     return result
 
 

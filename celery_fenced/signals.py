@@ -12,7 +12,10 @@ keyword arguments ``key``, ``token``, ``owner`` (and ``task_id`` where known):
 - ``lease_duplicate`` — a delivery of a job that already completed was skipped
   (``token`` None, ``retries``);
 - ``lease_resent`` — the reclaimer sent an expired, unfinished job again (``attempt``);
-- ``lease_abandoned`` — the reclaimer gave up on a job (``reason``).
+- ``lease_abandoned`` — the reclaimer gave up on a job (``reason``);
+- ``lease_deduplicated`` — a publish of a ``lease_unique`` job was refused: a copy of
+  its key stands (``task_id`` is that copy's, ``refused_task_id`` the call's; ``token``
+  None while that copy has not started).
 
 Every kind of lease event has its signal (``celery_fenced.kinds``), sent whatever
 ``fenced_events`` records.
@@ -33,6 +36,7 @@ __all__ = [
     "lease_abandoned",
     "lease_acquired",
     "lease_busy",
+    "lease_deduplicated",
     "lease_duplicate",
     "lease_lost",
     "lease_released",
@@ -51,6 +55,7 @@ lease_busy = Signal()
 lease_duplicate = Signal()
 lease_resent = Signal()
 lease_abandoned = Signal()
+lease_deduplicated = Signal()
 
 _NAMES = {
     id(lease_acquired): "lease_acquired",
@@ -61,6 +66,7 @@ _NAMES = {
     id(lease_duplicate): "lease_duplicate",
     id(lease_resent): "lease_resent",
     id(lease_abandoned): "lease_abandoned",
+    id(lease_deduplicated): "lease_deduplicated",
 }
 
 

@@ -41,6 +41,9 @@ def validate_task_class(cls: type) -> None:
     outbox = cls.__dict__.get("lease_outbox")
     if outbox is not None:
         conf.validate_bool(outbox, f"{where} option lease_outbox")
+    unique = cls.__dict__.get("lease_unique")
+    if unique is not None:
+        conf.validate_unique(unique, f"{where} option lease_unique")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

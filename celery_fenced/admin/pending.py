@@ -31,8 +31,10 @@ class PendingJobAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Pendi
         "unsent",
         "abandoned_at",
         "abandoned_reason",
+        "unique_until",
+        "started_token",
     )
-    list_filter = ("task_name", "unsent")
+    list_filter = ("task_name", "unsent", "unique_until")
     search_fields = ("=task_id", "key")
     exact_search_fields = ("task_id", "key")
     ordering = ("published_at", "id")
@@ -49,6 +51,9 @@ class PendingJobAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Pendi
         "unsent",
         "abandoned_at",
         "abandoned_reason",
+        "unique_key",
+        "unique_until",
+        "started_token",
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[PendingJob]:

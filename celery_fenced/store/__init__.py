@@ -50,6 +50,7 @@ from celery_fenced.store.outbox import (
     mark_ended,
     mark_unsent,
     pending_rows,
+    record_deduplicated,
     record_pending,
     unclaim_due,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "mark_unsent",
     "pending_rows",
     "prove_for_result",
+    "record_deduplicated",
     "record_duplicate",
     "record_pending",
     "record_resent",

@@ -32,14 +32,28 @@ class Due:
     eta: dt.datetime | None = None
 
 
-def record_pending(alias: str, pending: Pending) -> None:
-    """Insert (or, for the same task id, replace) the pending row of a published job.
+def record_pending(alias: str, pending: Pending) -> str:
+    """Insert (or, for the same task id, replace) the pending row of a published job;
+    return the task id of the copy that stands: the job's own, or — for a
+    ``lease_unique`` job whose key already has a copy queued (or running, with
+    ``until_done``) — that copy's, and nothing is written.
 
     One statement where the database can (PostgreSQL, SQLite), in the caller's
     transaction when one is open on ``alias``.
     """
     with tables_required(alias):
-        dialects.for_alias(alias).record_pending(pending)
+        dialect = dialects.for_alias(alias)
+        if pending.unique is not None and pending.key:
+            return dialect.record_unique_pending(pending)
+        dialect.record_pending(pending)
+        return pending.task_id
+
+
+def record_deduplicated(
+    alias: str, key: str, task_name: str, standing: str, refused: str
+) -> tuple[int | None, str]:
+    """Record the ``deduplicated`` event of a refused publish (see the dialects)."""
+    return dialects.for_alias(alias).record_deduplicated(key, task_name, standing, refused)
 
 
 def mark_unsent(alias: str, task_id: str) -> None:
@@ -65,7 +79,8 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     """
     rows = PendingJob.objects.using(alias)
     rows.filter(expires_at__lte=Now()).delete()  # Celery would revoke it on arrival
-    due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True)
+    dialects.for_alias(alias).delete_ended_copies()  # until_done rows whose run ended
+    due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True, started_token=None)
     candidates = list(
         due.order_by("resend_at").values_list(
             "id", "task_id", "task_name", "key", "job", "sends", "eta"
@@ -98,7 +113,8 @@ def abandon_pending(alias: str, due: Due, reason: str) -> None:
 
 
 def pending_rows(alias: str, *, limit: int | None = 100) -> list[PendingJob]:
-    """The pending jobs, oldest first (``fenced list --pending``; ``limit`` None: all)."""
+    """The pending jobs, oldest first (``fenced list --pending``; ``limit`` None: all);
+    an ``until_done`` job's row while it runs too (``started_token`` set)."""
     rows = PendingJob.objects.using(alias).order_by("published_at", "id")
     return list(rows if limit is None else rows[:limit])
 

@@ -83,6 +83,17 @@ def probe(self: Any, seconds: float = 0.0, marker: str = "") -> dict[str, Any]:
     }
 
 
+@shared_task(
+    bind=True, base=FencedTask, lease_key="digest:{name}", lease_ttl=30, lease_unique="until_done"
+)
+def send_digest(self: Any, name: str, until_file: str = "") -> dict[str, Any]:
+    """A job queued once per name (``lease_unique``): it runs until ``until_file`` exists."""
+    deadline = time.monotonic() + 60
+    while until_file and not os.path.exists(until_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"worker": _worker(), "token": self.request.fencing_token, "name": name}
+
+
 class AuditedRequest(Request):  # type: ignore[misc]
     """A project's own worker request class, as ``Request=`` on a fenced task."""
 

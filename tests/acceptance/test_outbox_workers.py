@@ -130,3 +130,39 @@ def test_redis_emptied_mid_run__every_job_completes_exactly_once(
     assert sorted(leases.values_list("task_id", flat=True)) == sorted(ids)
     assert set(leases.values_list("token", flat=True)) == {1}  # each granted once
     assert not PendingJob.objects.using(lease_db).filter(task_id__in=ids).exists()
+
+
+def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
+    lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
+) -> None:
+    """``lease_unique="until_done"`` across real workers: five calls while the job runs
+    return its id and queue nothing; once it has finished, a call queues a new copy."""
+    start_worker("a")
+    start_worker("b")
+    digest = publisher.tasks["testproject.demo.tasks.send_digest"]
+    done = tmp_path / "done"
+    first = digest.apply_async(("weekly",), {"until_file": str(done)}, queue=start_worker.queue)
+    wait_for(
+        lambda: Lease.objects.using(lease_db)
+        .filter(key="digest:weekly", task_id=first.id, released_at__isnull=True)
+        .exists(),
+        60,
+        "the first copy's grant",
+    )
+    copies = [
+        digest.apply_async(("weekly",), {"until_file": str(done)}, queue=start_worker.queue).id
+        for _ in range(5)
+    ]
+    assert copies == [first.id] * 5
+    assert list(PendingJob.objects.using(lease_db).values_list("task_id", flat=True)) == [
+        first.id
+    ]
+    done.touch()
+    assert finished(lease_db, first.id) == "SUCCESS"
+    again = digest.apply_async(("weekly",), queue=start_worker.queue)
+    assert again.id != first.id
+    assert finished(lease_db, again.id) == "SUCCESS"
+    results = TaskResult.objects.using(lease_db).filter(task_name__endswith="send_digest")
+    assert results.count() == 2
+    lease = Lease.objects.using(lease_db).get(key="digest:weekly")
+    assert lease.events.filter(kind="deduplicated").count() == 5

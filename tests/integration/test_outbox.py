@@ -371,10 +371,10 @@ def test_lease_database_away_at_publish__waited_out_then_recorded_and_sent(
     real = store.record_pending
     failures = [OperationalError("the database system is shutting down")] * 2
 
-    def flaky(alias: str, pending: Any) -> None:
+    def flaky(alias: str, pending: Any) -> str:
         if failures:
             raise failures.pop()
-        real(alias, pending)
+        return real(alias, pending)
 
     monkeypatch.setattr(store, "record_pending", flaky)
     result = broker.app.signature("seams.step", ("w",)).apply_async()

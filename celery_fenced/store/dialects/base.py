@@ -174,6 +174,21 @@ class Dialect(abc.ABC):
     def record_pending(self, pending: Pending) -> None:
         """Write (or, for the same task id, start afresh) the pending row of a published job."""
 
+    @abc.abstractmethod
+    def record_unique_pending(self, pending: Pending) -> str:
+        """Record a ``lease_unique`` job unless a copy of its key stands; return the task
+        id of the copy that stands (the job's own when it was recorded)."""
+
+    @abc.abstractmethod
+    def delete_ended_copies(self) -> int:
+        """Delete the ``until_done`` rows whose run has ended."""
+
+    @abc.abstractmethod
+    def record_deduplicated(
+        self, key: str, task_name: str, standing: str, refused: str
+    ) -> tuple[int | None, str]:
+        """The ``deduplicated`` event of a refused publish; the key's token and owner."""
+
     # -- events and sizes ----------------------------------------------------------------
     @abc.abstractmethod
     def record_event(

@@ -10,7 +10,7 @@ from django.db import transaction
 from django.db.models import F
 from django_celery_results.models import TaskResult
 
-from celery_fenced.models import Completion, Lease, LeaseEvent, PendingJob, ReclaimState
+from celery_fenced.models import Completion, Lease, LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.records import (
     Claim,
     Completed,
@@ -39,12 +39,8 @@ class ORMDialect(PortableOperations):
             row = cursor.fetchone()
         return aware(row[0])
 
-    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
-        with transaction.atomic(using=self.alias):
-            if request.ends_pending:  # granted, busy or a duplicate: no longer pending
-                PendingJob._default_manager.using(self.alias).filter(
-                    task_id=request.task_id
-                ).delete()
+    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+        with transaction.atomic(using=self.alias, savepoint=False):  # acquire's
             manager = Lease._default_manager.using(self.alias)
             row = manager.select_for_update().filter(key=request.key).first()
             if (

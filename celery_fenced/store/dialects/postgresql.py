@@ -130,20 +130,35 @@ class PostgreSQL(SQLDialect):
                            jsonb_build_object('holder', owner)
                     FROM holder){self._end_pending(granted=False) if request.ends_pending else ""}
                 SELECT token, owner, expires_at, remaining FROM holder""",
-            [key, task_id, owner, *([task_id] if request.ends_pending else [])],
+            [key, task_id, owner, *self._end_pending_params(request, granted=False)],
         )
         return holder_of(rows)
 
     def _end_pending(self, *, granted: bool) -> str:
-        """A CTE ending the task id's pending row (the outbox; parameter: the task id).
+        """CTEs ending the task id's pending row (the outbox; parameters:
+        :meth:`_end_pending_params`).
 
         ``granted``: only if the statement's ``granted`` CTE granted — the job is then
-        pending or granted, never neither. A busy key ends it unconditionally: the job
-        is skipped, failed, or retried (and recorded again by its retry).
+        pending or granted, never neither; an ``until_done`` row (``lease_unique``) is
+        kept, stamped with the grant's token: it stands for the running copy until that
+        grant ends. A busy key ends it unconditionally: the job is skipped, failed, or
+        retried (and recorded again by its retry).
         """
-        only_granted = "AND EXISTS (SELECT 1 FROM granted)" if granted else ""
+        if not granted:
+            return f""",
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s)"""
         return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s {only_granted})"""
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s
+                         AND unique_until <> 'until_done' AND EXISTS (SELECT 1 FROM granted)),
+                began AS (UPDATE {PENDING} SET started_token = (SELECT token FROM granted)
+                          WHERE task_id = %s AND unique_until = 'until_done'
+                          AND EXISTS (SELECT 1 FROM granted))"""
+
+    @staticmethod
+    def _end_pending_params(request: GrantRequest, *, granted: bool) -> list[Any]:
+        if not request.ends_pending:
+            return []
+        return [request.task_id] * (2 if granted else 1)
 
     def _routine_grant(self, request: GrantRequest) -> Grant | None:
         """The grant of a new or released key: the upsert alone, without the takeover's event.
@@ -167,7 +182,7 @@ class PostgreSQL(SQLDialect):
                 f"""WITH granted AS ({grant}){self._end_pending(granted=True)}
                     SELECT id, token, expires_at, reclaimed_from, completed_digest
                     FROM granted""",
-                [*params, request.task_id],
+                [*params, *self._end_pending_params(request, granted=True)],
             )
         else:
             rows = self._fetch(grant, params)
@@ -261,7 +276,7 @@ class PostgreSQL(SQLDialect):
                 request.owner,
                 request.key,
                 request.routine_events,
-                *([request.task_id] if request.ends_pending else []),
+                *self._end_pending_params(request, granted=True),
             ],
         )
 

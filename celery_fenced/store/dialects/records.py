@@ -271,3 +271,7 @@ class Pending:
     #: seconds from now after which it is never sent again, or an absolute time, or None
     expires: float | dt.datetime | None
     resend_after: float
+    #: ``lease_unique`` ("until_started", "until_done"), or None
+    unique: str | None = None
+    #: a re-publish of the job running now (its retry): it keeps its place
+    same_job: bool = False

@@ -5,14 +5,18 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from django.db import transaction
-from django.db.models import F, Q
+from django.db import IntegrityError, transaction
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Greatest, Now
 
 from celery_fenced.models import Lease, LeaseEvent, PendingJob, ReclaimState
 from celery_fenced.store.dialects.base import Dialect
 from celery_fenced.store.dialects.records import (
     Claim,
+    Completed,
+    Grant,
+    GrantRequest,
+    Holder,
     Pending,
 )
 
@@ -25,10 +29,22 @@ class PortableOperations(Dialect):
 
     def record_pending(self, pending: Pending) -> None:
         """The outbox's row of a published job, written or replaced (same task id)."""
+        values = {
+            **self._pending_values(pending),
+            "unique_key": None,
+            "unique_until": "",
+            "started_token": None,
+        }
+        rows = PendingJob._default_manager.using(self.alias)
+        with transaction.atomic(using=self.alias):
+            if not rows.filter(task_id=pending.task_id).update(**values):
+                rows.create(task_id=pending.task_id, **values)
+
+    def _pending_values(self, pending: Pending) -> dict[str, Any]:
         countdown = dt.timedelta(seconds=pending.countdown or 0.0)
         eta = pending.eta if pending.eta is not None else Now() + countdown
         expires = pending.expires
-        values = {
+        return {
             "task_name": pending.task_name[:255],
             "key": pending.key,
             "job": pending.job,
@@ -45,10 +61,146 @@ class PortableOperations(Dialect):
             "abandoned_at": None,
             "abandoned_reason": "",
         }
+
+    def record_unique_pending(self, pending: Pending) -> str:
+        """The row of a ``lease_unique`` job, unless a copy of its key stands: then
+        nothing is written and that copy's task id is returned (else the job's own).
+
+        Decided by the database: the unique ``unique_key`` refuses a second row of the
+        key (an insert waits for a concurrent one's transaction), and a row that no
+        longer stands for a queued or running copy is taken over by one conditional
+        ``UPDATE`` (see :meth:`_ended_copies`). A re-publish of the same job (its retry)
+        keeps its row; if another copy took the key meanwhile, it is recorded without
+        the key rather than dropped (a retried job's caller waits on its task id).
+        """
         rows = PendingJob._default_manager.using(self.alias)
+        values = {
+            **self._pending_values(pending),
+            "unique_until": pending.unique or "",
+            "started_token": None,
+        }
+        key = pending.key
+        for _attempt in range(8):
+            with transaction.atomic(using=self.alias):
+                if pending.same_job and rows.filter(task_id=pending.task_id).update(
+                    **values, unique_key=key
+                ):
+                    return pending.task_id
+                if self._ended_copies(rows.filter(unique_key=key), pending.unique).update(
+                    task_id=pending.task_id, unique_key=key, **values
+                ):
+                    return pending.task_id
+                try:
+                    with transaction.atomic(using=self.alias):
+                        rows.create(task_id=pending.task_id, unique_key=key, **values)
+                    return pending.task_id
+                except IntegrityError:
+                    standing = rows.filter(unique_key=key).values_list("task_id", flat=True)
+                    found = list(standing[:1])
+                if found and found[0] != pending.task_id:
+                    if not pending.same_job:
+                        return str(found[0])
+                    self.record_pending(pending)  # a retry: recorded, without the key
+                    return pending.task_id
+            # the standing copy ended between the refusal and the read: decide again
+        raise IntegrityError(f"could not record the unique job of key {key!r}")
+
+    def _ended_copies(self, rows: Any, unique: str | None) -> Any:
+        """Of ``rows``, those that no longer stand for a copy: abandoned, expired, or
+        started (``until_done``) under a grant that has ended — released, expired, or
+        followed by a newer grant of the key. Read with the statement's snapshot, the
+        lease can only look older than it is: the grant that started the row stamped
+        its token on it, and an older snapshot of the lease never shows that token or
+        a newer one, so a copy that has just started is never taken for ended."""
+        ended_grant = Lease._default_manager.using(self.alias).filter(
+            Q(token__gt=OuterRef("started_token"))
+            | Q(token=OuterRef("started_token"))
+            & (Q(released_at__isnull=False) | Q(expires_at__lte=Now())),
+            key=OuterRef("key"),
+        )
+        started: Any = Q(started_token__isnull=False)
+        if unique == "until_done":
+            started = started & Exists(ended_grant)
+        return rows.filter(Q(abandoned_at__isnull=False) | Q(expires_at__lte=Now()) | started)
+
+    def delete_ended_copies(self) -> int:
+        """Delete the ``until_done`` rows whose run has ended (see :meth:`_ended_copies`)."""
+        rows = PendingJob._default_manager.using(self.alias).filter(started_token__isnull=False)
+        deleted: int = self._ended_copies(rows, "until_done").delete()[0]
+        return deleted
+
+    def record_deduplicated(
+        self, key: str, task_name: str, standing: str, refused: str
+    ) -> tuple[int | None, str]:
+        """The ``deduplicated`` event of a refused call: on the key's lease row, which
+        is created (token 0, released: never granted) if the standing copy has not
+        started yet. Returns the key's current token (None before any grant) and owner."""
+        leases = Lease._default_manager.using(self.alias)
         with transaction.atomic(using=self.alias):
-            if not rows.filter(task_id=pending.task_id).update(**values):
-                rows.create(task_id=pending.task_id, **values)
+            # the insert first: on SQLite a transaction that reads before it writes
+            # cannot always take the write lock ("database is locked" at once)
+            try:
+                with transaction.atomic(using=self.alias):
+                    lease = leases.create(
+                        key=key,
+                        token=0,
+                        owner="",
+                        task_name=task_name[:255],
+                        acquired_at=Now(),
+                        renewed_at=Now(),
+                        expires_at=Now(),
+                        released_at=Now(),
+                    )
+                    lease.token, lease.owner = 0, ""
+            except IntegrityError:
+                lease = leases.get(key=key)
+            self._event(
+                lease.pk,
+                Kind.DEDUPLICATED,
+                lease.token or None,
+                standing,
+                "",
+                None,
+                {"refused_task_id": refused, "task_name": task_name},
+            )
+        return lease.token or None, lease.owner
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """The grant (:meth:`_grant_in_transaction`) and the end of the job's pending row,
+        in one transaction."""
+        with transaction.atomic(using=self.alias):
+            settled = not request.ends_pending or self._pending_before_grant(request.task_id)
+            outcome = self._grant_in_transaction(request)
+            if not settled:
+                granted = outcome.token if isinstance(outcome, Grant) else None
+                self._pending_after_grant(request.task_id, granted)
+            return outcome
+
+    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+        raise NotImplementedError
+
+    def _pending_before_grant(self, task_id: str) -> bool:
+        """A delivery is granted, busy or a duplicate: its job is no longer pending —
+        except an ``until_done`` row, which :meth:`_pending_after_grant` settles.
+        Returns whether the job's row was ended here (then there is no other)."""
+        deleted, _ = (
+            PendingJob._default_manager.using(self.alias)
+            .filter(task_id=task_id)
+            .exclude(unique_until="until_done")
+            .delete()
+        )
+        return bool(deleted)
+
+    def _pending_after_grant(self, task_id: str, token: int | None) -> None:
+        """An ``until_done`` row stays while its grant (``token``) runs; without a grant
+        (busy, a duplicate) it ends."""
+        rows = PendingJob._default_manager.using(self.alias).filter(
+            task_id=task_id, unique_until="until_done"
+        )
+        if token is None:
+            rows.delete()
+        else:
+            rows.update(started_token=token)
 
     def _event(
         self,

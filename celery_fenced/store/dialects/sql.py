@@ -50,18 +50,20 @@ class SQLDialect(PortableOperations):
         )
         self._fetch(
             f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
-                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason)
+                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
+                    unique_key, unique_until, started_token)
                 VALUES (%s, %s, %s, %s, {self.NOW},
                         {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
                         {self.expiry("%s") if relative_expiry else "%s"},
                         {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '')
+                        0, %s, NULL, '', NULL, '', NULL)
                 ON CONFLICT (task_id) DO UPDATE SET
                     task_name = excluded.task_name, key = excluded.key, job = excluded.job,
                     published_at = excluded.published_at, eta = excluded.eta,
                     expires_at = excluded.expires_at, resend_at = excluded.resend_at,
                     sends = 0, unsent = excluded.unsent, abandoned_at = NULL,
-                    abandoned_reason = ''
+                    abandoned_reason = '', unique_key = NULL, unique_until = '',
+                    started_token = NULL
                 RETURNING id""",
             [
                 pending.task_id,

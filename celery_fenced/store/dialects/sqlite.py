@@ -12,7 +12,6 @@ from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
     LEASE,
-    PENDING,
     RESULT,
     Claim,
     Completed,
@@ -80,7 +79,7 @@ class SQLite(SQLDialect):
                     )
         return claims
 
-    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
         key, owner, task_id, delivery = (
             request.key,
             request.owner,
@@ -88,9 +87,7 @@ class SQLite(SQLDialect):
             request.delivery,
         )
         unless_completed, params = self._grant_params(request)
-        with transaction.atomic(using=self.alias):
-            if request.ends_pending:  # granted, busy or a duplicate: no longer pending
-                self._fetch(f"DELETE FROM {PENDING} WHERE task_id = %s", [task_id])
+        with transaction.atomic(using=self.alias, savepoint=False):  # acquire's
             # the previous grant's start, for a takeover's event: read by a write that
             # changes nothing, so the transaction holds the write lock from its first
             # statement (a read's shared lock cannot always be upgraded: "database is

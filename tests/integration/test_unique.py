@@ -1,0 +1,247 @@
+"""No duplicate queued (``lease_unique``, issue 18): decided by the outbox's row.
+
+Published through Celery's own ``apply_async`` (the ``broker`` fixture records what
+reaches the broker), delivered through Celery's tracer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import states
+from django.db import connections, transaction
+from django.db.models.functions import Now
+
+from celery_fenced import FencedTask, signals
+from celery_fenced.conf import load
+from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
+from celery_fenced.outbox import resend_pending
+from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_outbox import pending, rolled_back
+from tests.integration.test_seams import Broker, Execution, deliver, granted, status
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture(params=["until_started", "until_done"])
+def unique(request: pytest.FixtureRequest, broker: Broker) -> Iterator[str]:
+    """``seams.keyed`` (key ``report:{report_id}``) with ``lease_unique``."""
+    task = broker.app.tasks["seams.keyed"]
+    task.lease_unique = request.param
+    yield request.param
+    task.lease_unique = None
+
+
+def publish(broker: Broker, report_id: int) -> str:
+    return str(broker.app.tasks["seams.keyed"].delay(report_id).id)
+
+
+def deduplicated(alias: str) -> list[LeaseEvent]:
+    return list(
+        LeaseEvent.objects.using(alias).filter(kind=LeaseEvent.Kind.DEDUPLICATED).order_by("id")
+    )
+
+
+def test_copies_while_one_waits__refused_with_its_id(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    signals.lease_deduplicated.connect(receiver)
+    try:
+        first = publish(broker, 7)
+        copies = [publish(broker, 7) for _ in range(4)]
+    finally:
+        signals.lease_deduplicated.disconnect(receiver)
+    assert copies == [first] * 4
+    broker.one("seams.keyed")  # one message reached the broker
+    assert [row.task_id for row in pending(lease_db)] == [first]
+    events = deduplicated(lease_db)
+    assert len(events) == 4
+    assert {e.task_id for e in events} == {first}
+    assert len({e.detail["refused_task_id"] for e in events}) == 4
+    assert [(s["key"], s["task_id"], s["token"]) for s in seen] == [("report:7", first, None)] * 4
+    # another key is another job
+    other = publish(broker, 8)
+    assert other != first
+    assert len(broker.sent("seams.keyed")) == 2
+
+
+def test_after_the_copy_started_or_ended__a_new_call_queues(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    first = publish(broker, 7)
+    running = Execution(broker.app, broker.one("seams.keyed"), "A")
+    granted(lease_db, first, 1)
+    while_running = publish(broker, 7)
+    if unique == "until_done":
+        assert while_running == first  # running counts
+        assert len(broker.sent("seams.keyed")) == 1
+    else:
+        assert while_running != first  # started: no longer waiting
+        assert len(broker.sent("seams.keyed")) == 2
+    running.finish()
+    assert status(lease_db, first) == (states.SUCCESS, '"7@1"')
+    after = publish(broker, 7)
+    if unique == "until_done":
+        assert after != first
+    else:
+        assert after == while_running  # that copy still waits
+    assert len(broker.sent("seams.keyed")) == 2
+
+
+def test_rolled_back_publish__leaves_no_copy_to_refuse_the_next(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    rolled_back(lease_db, lambda: publish(broker, 7))
+    assert pending(lease_db) == []
+    assert deduplicated(lease_db) == []
+    second = publish(broker, 7)
+    assert [h["id"] for h, _ in broker.sent("seams.keyed")] == [second]
+
+
+def test_concurrent_publishers__one_copy_queued_all_given_its_id(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    ids: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def one() -> None:
+        try:
+            start.wait(30)
+            ids.append(publish(broker, 7))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    (headers, _body) = broker.one("seams.keyed")
+    assert ids == [headers["id"]] * 6
+    assert len(deduplicated(lease_db)) == 5
+
+
+def test_in_open_transactions__the_second_waits_for_the_first_then_is_refused(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    """A copy recorded in a transaction not yet committed holds its key: another
+    publisher waits for that transaction, and is refused once it commits."""
+    if connections[lease_db].vendor != "postgresql":
+        pytest.skip("SQLite runs one writer at a time: the second cannot start its insert")
+    second: list[str] = []
+    with transaction.atomic(using=lease_db):
+        first = publish(broker, 7)
+
+        def other() -> None:
+            try:
+                second.append(publish(broker, 7))
+            finally:
+                connections.close_all()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive()  # waiting on the first's uncommitted row
+    thread.join(30)
+    assert second == [first]
+    broker.one("seams.keyed")
+
+
+@pytest.mark.parametrize("mode", ["until_started", "until_done"])
+def test_a_retry_keeps_its_place(broker: Broker, lease_db: str, mode: str) -> None:
+    """A unique job that retries is the same job again, not a copy of itself: its retry
+    is recorded and sent, and a new call while it waits is refused with its id."""
+    app = broker.app
+    tries: list[int] = []
+
+    def flaky(self: Any, x: int) -> int:
+        tries.append(x)
+        if len(tries) == 1:
+            raise self.retry(countdown=100)
+        return x
+
+    task = app.task(
+        name="unique.flaky",
+        bind=True,
+        base=FencedTask,
+        shared=False,
+        lease_key="flaky:{x}",
+        lease_unique=mode,
+    )(flaky)
+    first = str(task.delay(1).id)
+    deliver(app, broker.one("unique.flaky"))
+    assert tries == [1]
+    retried = broker.sent("unique.flaky")
+    assert [h["id"] for h, _ in retried] == [first, first]  # sent again, same id
+    (row,) = pending(lease_db)
+    assert (row.task_id, row.unique_key, row.started_token) == (first, "flaky:1", None)
+    assert str(task.delay(1).id) == first  # refused: the retry holds the key
+    assert len(broker.sent("unique.flaky")) == 2
+    deliver(app, retried[1])
+    assert status(lease_db, first) == (states.SUCCESS, "1")
+
+
+def test_abandoned_or_expired_copy__gives_its_place_up(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    first = publish(broker, 7)
+    PendingJob.objects.using(lease_db).update(abandoned_at=Now(), abandoned_reason="test")
+    second = publish(broker, 7)
+    assert second != first
+    PendingJob.objects.using(lease_db).update(expires_at=Now())
+    third = publish(broker, 7)
+    assert third not in (first, second)
+    assert [row.task_id for row in pending(lease_db)] == [third]
+
+
+def test_until_done__a_run_that_ended_without_release_gives_its_place_up(
+    broker: Broker, lease_db: str
+) -> None:
+    """A copy whose grant expired (its worker died; nothing re-sends it) does not
+    block the key for good; the reclaimer's sweep deletes its row."""
+    task = broker.app.tasks["seams.keyed"]
+    task.lease_unique = "until_done"
+    try:
+        first = publish(broker, 7)
+        running = Execution(broker.app, broker.one("seams.keyed"), "A")
+        lease = granted(lease_db, first, 1)
+        assert publish(broker, 7) == first
+        (row,) = pending(lease_db)
+        assert row.started_token == 1
+        Lease.objects.using(lease_db).filter(pk=lease.pk).update(expires_at=lease.acquired_at)
+        resend_pending(broker.app, using=lease_db)
+        assert pending(lease_db) == []  # the sweep ended it
+        second = publish(broker, 7)
+        assert second != first
+    finally:
+        task.lease_unique = None
+        running.finish()
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"unique": "always"}, "unique must be one of 'until_started', 'until_done' or None"),
+        ({"unique": "until_done", "outbox": False}, "needs the outbox"),
+    ],
+)
+def test_invalid_unique__named(broker: Broker, options: dict[str, Any], fragment: str) -> None:
+    broker.app.conf.fenced_tasks = {"x.*": options}
+    with pytest.raises(FencedConfigurationError, match=fragment):
+        load(broker.app)
