@@ -143,9 +143,11 @@ def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
     done = tmp_path / "done"
     first = digest.apply_async(("weekly",), {"until_file": str(done)}, queue=start_worker.queue)
     wait_for(
-        lambda: Lease.objects.using(lease_db)
-        .filter(key="digest:weekly", task_id=first.id, released_at__isnull=True)
-        .exists(),
+        lambda: (
+            Lease.objects.using(lease_db)
+            .filter(key="digest:weekly", task_id=first.id, released_at__isnull=True)
+            .exists()
+        ),
         60,
         "the first copy's grant",
     )
@@ -154,9 +156,7 @@ def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
         for _ in range(5)
     ]
     assert copies == [first.id] * 5
-    assert list(PendingJob.objects.using(lease_db).values_list("task_id", flat=True)) == [
-        first.id
-    ]
+    assert list(PendingJob.objects.using(lease_db).values_list("task_id", flat=True)) == [first.id]
     done.touch()
     assert finished(lease_db, first.id) == "SUCCESS"
     again = digest.apply_async(("weekly",), queue=start_worker.queue)
