@@ -7,6 +7,10 @@ the way a web request publishes — inside the request's transaction, which writ
 its own, sent on commit — where the plain baseline is what Django users do without the
 package (``transaction.on_commit(lambda: task.apply_async(...))``, Celery's
 ``delay_on_commit``).
+And the cost of ``lease_unique`` (issue 18): a unique job's publish (a new key each
+call) against the fenced one, and a refused copy (the same key again) against what
+celery-once does instead — a Redis ``SET key NX EX`` at publish, the message sent when it
+is set — for a new key and for a refused one.
 Nobody consumes the queue; it is deleted after.
 """
 
@@ -33,6 +37,10 @@ def run(ctx: Context) -> list[Line]:
     app.conf.broker_url = ctx.redis_url
     queue = f"bench-publish-{uuid.uuid4().hex[:6]}"
     plain, fenced = app.tasks["bench.noop_plain"], app.tasks["bench.noop_fenced"]
+    unique = app.tasks["bench.noop_unique"]
+    client = redis.Redis.from_url(ctx.redis_url)
+    taken = f"{queue}-once"
+    offset = iter(range(10**9))
     count = max(50, ctx.profile.count_tasks * 2)
     rounds = 5 if ctx.profile.name != "smoke" else 1
 
@@ -50,9 +58,29 @@ def run(ctx: Context) -> list[Line]:
 
         return publish
 
+    def once(task: Any, refused: bool) -> Callable[[int], None]:
+        """celery-once's way: a Redis key set at publish (NX), the message sent if set."""
+
+        def publish(n: int) -> None:
+            key = f"{taken}:0" if refused else f"{taken}:{next(offset)}"
+            if client.set(key, "1", nx=True, ex=3600):
+                task.apply_async(args=[n], queue=queue)
+
+        return publish
+
+    def unique_publish(refused: bool) -> Callable[[int], None]:
+        def publish(n: int) -> None:
+            unique.apply_async(args=[0 if refused else next(offset) + 1], queue=queue)
+
+        return publish
+
     variants = {
         "plain": outside(plain),
         "fenced": outside(fenced),
+        "unique": unique_publish(refused=False),
+        "unique refused": unique_publish(refused=True),
+        "once": once(plain, refused=False),
+        "once refused": once(plain, refused=True),
         "plain on_commit": in_transaction(plain, on_commit=True),
         "fenced in tx": in_transaction(fenced, on_commit=False),
     }
@@ -70,7 +98,10 @@ def run(ctx: Context) -> list[Line]:
     finally:
         PendingJob.objects.all().delete()
         LedgerEntry.objects.filter(effect="publish").delete()
-        redis.Redis.from_url(ctx.redis_url).delete(queue)
+        client.delete(queue, *client.scan_iter(f"{taken}:*"))
+        from celery_fenced.models import Lease
+
+        Lease.objects.filter(key__startswith="bench-unique:").delete()
         app.pool.force_close_all()
         connections.close_all()
     ctx.data["publish"] = {"count": count, "rounds": rounds, "seconds_per_publish": timings}
@@ -97,5 +128,20 @@ def run(ctx: Context) -> list[Line]:
             "sent on commit) vs plain sent by transaction.on_commit",
             "fenced in tx",
             "plain on_commit",
+        ),
+        line(
+            "lease_unique: a unique job's publish (a new key each call) vs fenced",
+            "unique",
+            "fenced",
+        ),
+        line(
+            "lease_unique: a new key vs celery-once's way (Redis SET NX, then the message)",
+            "unique",
+            "once",
+        ),
+        line(
+            "lease_unique: a copy refused (deduplicated event) vs celery-once refusing it",
+            "unique refused",
+            "once refused",
         ),
     ]

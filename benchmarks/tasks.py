@@ -4,6 +4,7 @@
 - ``noop_plain_acks_late``: the same, acknowledged late as a ``FencedTask`` is;
 - ``noop_fenced``: a ``FencedTask`` with one key per job (stored by
   ``FencedDatabaseBackend``);
+- ``noop_unique``: ``noop_fenced`` queued once per job (``lease_unique="until_started"``);
 - ``noop_redis_lock``: a plain task under a Redis lock per job, the way celery-singleton and
   python-redis-lock do it: ``SET key token NX PX ttl`` before the body, a compare-and-delete
   script after it.
@@ -80,6 +81,18 @@ def noop_plain_acks_late(job: int) -> None:
 )
 def noop_fenced(self: Any, job: int) -> None:
     """Do nothing, under the lease on ``bench:{job}``."""
+
+
+@shared_task(
+    name="bench.noop_unique",
+    base=FencedTask,
+    lease_key="bench-unique:{job}",
+    lease_ttl=30,
+    lease_unique="until_started",
+    bind=True,
+)
+def noop_unique(self: Any, job: int) -> None:
+    """Do nothing; one copy per job queued at a time (``lease_unique``)."""
 
 
 @shared_task(name="bench.noop_redis_lock", base=RedisLockTask)

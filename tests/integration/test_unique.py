@@ -245,3 +245,21 @@ def test_invalid_unique__named(broker: Broker, options: dict[str, Any], fragment
     broker.app.conf.fenced_tasks = {"x.*": options}
     with pytest.raises(FencedConfigurationError, match=fragment):
         load(broker.app)
+
+
+def test_the_same_task_id_again__its_row_takes_the_key_not_refused_as_a_copy(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    """A job published again with its own task id (a chain step re-sent by its parent's
+    second execution, say) whose row was recorded without the key: it is the same job,
+    it takes the key if free — in a transaction of the caller's too."""
+    first = publish(broker, 7)
+    PendingJob.objects.using(lease_db).update(unique_key=None, unique_until="")
+    task = broker.app.tasks["seams.keyed"]
+    with transaction.atomic(using=lease_db):
+        again = task.apply_async((7,), task_id=first)
+    assert again.id == first
+    (row,) = pending(lease_db)
+    assert (row.task_id, row.unique_key) == (first, "report:7")
+    assert [h["id"] for h, _ in broker.sent("seams.keyed")] == [first, first]
+    assert publish(broker, 7) == first  # and a new call is refused with its id

@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from django.db import IntegrityError, transaction
+
 from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
@@ -29,6 +31,7 @@ from celery_fenced.store.dialects.records import (
     Grant,
     GrantRequest,
     Holder,
+    Pending,
     aware,
     holder_of,
     released_detail,
@@ -133,6 +136,85 @@ class PostgreSQL(SQLDialect):
             [key, task_id, owner, *self._end_pending_params(request, granted=False)],
         )
         return holder_of(rows)
+
+    def record_unique_pending(self, pending: Pending) -> str:
+        """:meth:`PortableOperations.record_unique_pending` in one statement: the insert
+        whose ``unique_key`` conflict takes an ended copy's place (or its own, for the
+        same task id) and otherwise writes nothing; then, refused, a read of the copy
+        that stands. A retry's publish, and the rare conflict on the task id (a row of
+        the same job recorded without the key), take the portable path."""
+        if pending.same_job:
+            return super().record_unique_pending(pending)
+        values, params = self._pending_insert(pending, unique=True)
+        statement = f"""{values}
+                ON CONFLICT (unique_key) DO UPDATE SET {self._pending_reset()},
+                    task_id = excluded.task_id, unique_until = excluded.unique_until,
+                    started_token = NULL
+                WHERE {PENDING}.task_id = excluded.task_id
+                   OR {PENDING}.abandoned_at IS NOT NULL
+                   OR {PENDING}.expires_at <= statement_timestamp()
+                   OR ({PENDING}.started_token IS NOT NULL
+                       AND (excluded.unique_until <> 'until_done' OR EXISTS (
+                           SELECT 1 FROM {LEASE} l WHERE l.key = {PENDING}.key
+                           AND (l.token > {PENDING}.started_token
+                                OR (l.token = {PENDING}.started_token
+                                    AND (l.released_at IS NOT NULL
+                                         OR l.expires_at <= statement_timestamp()))))))
+                RETURNING task_id"""
+        connection = self.connection
+        for _attempt in range(8):
+            try:
+                if connection.in_atomic_block:  # a conflict on the task id must not
+                    with transaction.atomic(using=self.alias):  # abort the caller's
+                        rows = self._fetch(statement, params)
+                else:
+                    rows = self._fetch(statement, params)
+            except IntegrityError:
+                return super().record_unique_pending(pending)
+            if rows:
+                return str(rows[0][0])
+            standing = self._fetch(
+                f"SELECT task_id FROM {PENDING} WHERE unique_key = %s", [pending.key]
+            )
+            if standing:
+                return str(standing[0][0])
+            # the standing copy ended (or its commit is not in this snapshot): again
+        return super().record_unique_pending(pending)
+
+    def record_deduplicated(
+        self, key: str, task_name: str, standing: str, refused: str
+    ) -> tuple[int | None, str]:
+        """The ``deduplicated`` event in one statement, the key's row created (token 0:
+        never granted) when its first copy has not started yet."""
+        rows = self._fetch(
+            f"""WITH made AS (
+                    INSERT INTO {LEASE} (key, token, owner, task_id, task_name, acquired_at,
+                                         renewed_at, expires_at, released_at, reclaimed_from,
+                                         job, reclaim_attempts, reclaim_state,
+                                         reclaim_claimed_at, completed_digest, release_state)
+                    VALUES (%s, 0, '', '', %s, statement_timestamp(), statement_timestamp(),
+                            statement_timestamp(), statement_timestamp(), '', NULL, 0, '',
+                            NULL, '', '')
+                    ON CONFLICT (key) DO NOTHING
+                    RETURNING id, token, owner),
+                row AS (
+                    SELECT id, token, owner FROM made
+                    UNION ALL
+                    SELECT id, token, owner FROM {LEASE}
+                    WHERE key = %s AND NOT EXISTS (SELECT 1 FROM made)),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, 'deduplicated', NULLIF(token, 0), %s, '', statement_timestamp(),
+                           jsonb_build_object('refused_task_id', %s::text,
+                                              'task_name', %s::text)
+                    FROM row)
+                SELECT token, owner FROM row""",
+            [key, task_name[:255], key, standing, refused, task_name],
+        )
+        if not rows:  # the key's row is being created by a transaction not yet visible
+            return super().record_deduplicated(key, task_name, standing, refused)
+        token, owner = rows[0]
+        return (int(token) or None), str(owner)
 
     def _end_pending(self, *, granted: bool) -> str:
         """CTEs ending the task id's pending row (the outbox; parameters:

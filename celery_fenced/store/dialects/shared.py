@@ -79,29 +79,34 @@ class PortableOperations(Dialect):
             "unique_until": pending.unique or "",
             "started_token": None,
         }
-        key = pending.key
+        key, task_id = pending.key, pending.task_id
         for _attempt in range(8):
             with transaction.atomic(using=self.alias):
-                if pending.same_job and rows.filter(task_id=pending.task_id).update(
-                    **values, unique_key=key
-                ):
-                    return pending.task_id
-                if self._ended_copies(rows.filter(unique_key=key), pending.unique).update(
-                    task_id=pending.task_id, unique_key=key, **values
-                ):
-                    return pending.task_id
+                # the same job again (its retry, a re-sent step): its row keeps the key,
+                # or takes it if free; a write first (SQLite: see record_deduplicated)
                 try:
                     with transaction.atomic(using=self.alias):
-                        rows.create(task_id=pending.task_id, unique_key=key, **values)
-                    return pending.task_id
+                        if rows.filter(task_id=task_id).update(**values, unique_key=key):
+                            return task_id
+                except IntegrityError:  # another copy holds the key
+                    if pending.same_job:
+                        rows.filter(task_id=task_id).update(**values, unique_key=None)
+                        return task_id
+                if self._ended_copies(rows.filter(unique_key=key), pending.unique).update(
+                    task_id=task_id, unique_key=key, **values
+                ):
+                    return task_id
+                try:
+                    with transaction.atomic(using=self.alias):
+                        rows.create(task_id=task_id, unique_key=key, **values)
+                    return task_id
                 except IntegrityError:
-                    standing = rows.filter(unique_key=key).values_list("task_id", flat=True)
-                    found = list(standing[:1])
-                if found and found[0] != pending.task_id:
+                    found = list(rows.filter(unique_key=key).values_list("task_id", flat=True)[:1])
+                if found:
                     if not pending.same_job:
                         return str(found[0])
                     self.record_pending(pending)  # a retry: recorded, without the key
-                    return pending.task_id
+                    return task_id
             # the standing copy ended between the refusal and the read: decide again
         raise IntegrityError(f"could not record the unique job of key {key!r}")
 

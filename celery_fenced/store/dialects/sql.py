@@ -42,46 +42,59 @@ class SQLDialect(PortableOperations):
         plus the countdown) plus ``resend_after``; a re-publish of the task id (a retry)
         starts the row afresh.
         """
+        values, params = self._pending_insert(pending, unique=False)
+        self._fetch(
+            f"""{values}
+                ON CONFLICT (task_id) DO UPDATE SET {self._pending_reset()},
+                    unique_key = NULL, unique_until = '', started_token = NULL
+                RETURNING id""",
+            params,
+        )
+
+    def _pending_insert(self, pending: Pending, *, unique: bool) -> tuple[str, list[Any]]:
+        """The ``INSERT … VALUES`` of ``pending``'s row and its parameters; ``unique``:
+        with its key in ``unique_key`` (``lease_unique``)."""
         adapt = self.connection.ops.adapt_datetimefield_value
         expires, eta = pending.expires, pending.eta
         relative_expiry = isinstance(expires, int | float)
         expiry_param = (
             self.ttl_param(expires) if isinstance(expires, int | float) else adapt(expires)
         )
-        self._fetch(
-            f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
+        sql = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
                     expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
                     unique_key, unique_until, started_token)
                 VALUES (%s, %s, %s, %s, {self.NOW},
                         {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
                         {self.expiry("%s") if relative_expiry else "%s"},
                         {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', NULL, '', NULL)
-                ON CONFLICT (task_id) DO UPDATE SET
-                    task_name = excluded.task_name, key = excluded.key, job = excluded.job,
+                        0, %s, NULL, '', {"%s, %s" if unique else "NULL, ''"}, NULL)"""
+        params = [
+            pending.task_id,
+            pending.task_name[:255],
+            pending.key,
+            pending.job,
+            adapt(eta)
+            if eta is not None
+            else self.ttl_param(pending.countdown)
+            if pending.countdown
+            else None,
+            expiry_param,
+            adapt(eta + dt.timedelta(seconds=pending.resend_after))
+            if eta is not None
+            else self.ttl_param((pending.countdown or 0.0) + pending.resend_after),
+            False,
+            *([pending.key, pending.unique or ""] if unique else []),
+        ]
+        return sql, params
+
+    @staticmethod
+    def _pending_reset() -> str:
+        """The ``SET`` list starting a conflicting pending row afresh from ``excluded``."""
+        return """task_name = excluded.task_name, key = excluded.key, job = excluded.job,
                     published_at = excluded.published_at, eta = excluded.eta,
                     expires_at = excluded.expires_at, resend_at = excluded.resend_at,
                     sends = 0, unsent = excluded.unsent, abandoned_at = NULL,
-                    abandoned_reason = '', unique_key = NULL, unique_until = '',
-                    started_token = NULL
-                RETURNING id""",
-            [
-                pending.task_id,
-                pending.task_name[:255],
-                pending.key,
-                pending.job,
-                adapt(eta)
-                if eta is not None
-                else self.ttl_param(pending.countdown)
-                if pending.countdown
-                else None,
-                expiry_param,
-                adapt(eta + dt.timedelta(seconds=pending.resend_after))
-                if eta is not None
-                else self.ttl_param((pending.countdown or 0.0) + pending.resend_after),
-                False,
-            ],
-        )
+                    abandoned_reason = ''"""
 
     def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         with self.connection.cursor() as cursor:
