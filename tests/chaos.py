@@ -899,7 +899,14 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         lost.add(name)
         violation("not-final", "", f"{name}: its publish raised; it was never sent")
     seam_counts: Counter[str] = Counter()
-    for kind, where, text in workload.check_seams(jobs, seams):
+    deduplicated = Counter(
+        key for key, evs in history.items() for e in evs if e.kind == "deduplicated"
+    )
+    unique_bursts = Counter(len(set(j.returned)) for j in jobs if j.kind == "unique")
+    for kind, where, text in [
+        *workload.check_seams(jobs, seams),
+        *workload.check_unique(jobs, deduplicated),
+    ]:
         seam_counts[kind] += 1
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
         violation(kind, where if kind == "ended-by-other" else "", text, cause)
@@ -940,6 +947,10 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("failed jobs", len(failed)),
         ("leases held past expiry by dead owners", len(events.held_past_expiry)),
         ("jobs abandoned by the reclaimer", kinds.get("abandoned", 0)),
+        (
+            f"unique jobs: copies queued of {workload.UNIQUE_CALLS} calls (count)",
+            ", ".join(f"{n}: {c}" for n, c in sorted(unique_bursts.items())) or "none",
+        ),
         *((row, seam_counts[kind]) for kind, row in workload.SEAMS.items()),
         ("violations", len(violations)),
     ]

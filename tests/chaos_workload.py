@@ -52,7 +52,10 @@ KINDS: dict[str, float] = {
     "tracked": 6,
     "expires": 8,
     "compete": 10,
+    "unique": 8,
 }
+#: how many times the runner publishes one lease_unique job back to back
+UNIQUE_CALLS = 4
 #: the states a kind's tasks may end in (anything else is a failed job)
 ACCEPTED: dict[str, tuple[str, ...]] = {
     "limit": ("SUCCESS", "FAILURE"),  # over the soft or hard limit (prefork only)
@@ -65,6 +68,7 @@ SEAMS = {
     "ended-by-other": "grants ended by another delivery (c)",
     "completed-rerun": "bodies run again after their task completed (d)",
     "errback": "errbacks not fired once for a FAILURE (e)",
+    "unique": "lease_unique calls refused without one deduplicated event each (f)",
 }
 
 
@@ -82,6 +86,8 @@ class Job:
     fail: bool = False  # a link parent that raises, so its errback must fire
     #: roles whose task is plain (not fenced: no outbox), e.g. a chord's "body"
     plain: frozenset[str] = frozenset()
+    #: unique: the task id each call returned (a refused call: the standing copy's)
+    returned: tuple[str, ...] = ()
 
 
 # -- sending -----------------------------------------------------------------------------
@@ -184,6 +190,16 @@ class Sender:
             for role in ("a", "b")
         }
         return self._job(name, "compete", ids)
+
+    def send_unique(self, name: str) -> Job:
+        # one job published several times at once: one copy queued, the others refused
+        # with its id (until_done: also while it runs)
+        sig = self.sig("chaos.unique_step", (None, name), {"seconds": self.seconds()})
+        returned = tuple(str(sig.apply_async().id) for _ in range(UNIQUE_CALLS))
+        copies = list(dict.fromkeys(returned))
+        job = self._job(name, "unique", {f"c{n}": task_id for n, task_id in enumerate(copies)})
+        job.returned = returned
+        return job
 
     @staticmethod
     def _job(name: str, kind: str, ids: dict[str, str]) -> Job:
@@ -402,6 +418,27 @@ def _excused(owner: str, granted: Any, moment: Any, seams: Seams) -> bool:
         slack = dt.timedelta(seconds=seams.slack)
         return bool(begin <= moment and (granted is None or end + slack >= granted))
     return False
+
+
+def check_unique(jobs: list[Job], deduplicated: dict[str, int]) -> list[tuple[str, str, str]]:
+    """(f) Each refused call of a unique job (one that returned an id an earlier call
+    returned) recorded one ``deduplicated`` event on the job's key."""
+    problems = []
+    for job in jobs:
+        if job.kind != "unique" or not job.returned:
+            continue
+        refused = len(job.returned) - len(set(job.returned))
+        key = f"unique:{job.name}"
+        if deduplicated.get(key, 0) != refused:
+            problems.append(
+                (
+                    "unique",
+                    key,
+                    f"{job.name}: {refused} calls refused, {deduplicated.get(key, 0)} "
+                    f"deduplicated events (returned {[_short(i) for i in job.returned]})",
+                )
+            )
+    return problems
 
 
 def _ended_by_other(seams: Seams) -> list[tuple[str, str, str]]:

@@ -399,6 +399,18 @@ def tracked_step(
     return _step(self, value, job, step, seconds, fail)
 
 
+#: lease_unique rests on the outbox: a run without it (``--no-outbox``) queues every copy
+UNIQUE = None if os.environ.get("FENCED_OUTBOX") == "0" else "until_done"
+
+
+@shared_task(
+    name="chaos.unique_step", lease_key="unique:{job}", lease_unique=UNIQUE, **FENCED_STEP
+)
+def unique_step(self: Any, value: Any, job: str, seconds: float = 0.0) -> Any:
+    """A fenced step queued once while a copy waits or runs (``lease_unique``)."""
+    return _step(self, value, job, 0, seconds, False)
+
+
 @shared_task(name="chaos.fenced_body", lease_key="body:{job}", **FENCED_STEP)
 def fenced_body(self: Any, results: Any, job: str) -> Any:
     """A fenced chord body: receives the header's results."""
