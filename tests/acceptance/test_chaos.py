@@ -476,3 +476,19 @@ def test_checker__chain_whose_first_step_the_broker_lost_is_one_loss() -> None:
     job.sent_at = dt.datetime(2026, 1, 1, 12, 0)
     found = run_check([job], kill_times=[dt.datetime(2026, 1, 1, 12, 0, 1)])
     assert found == [("not-final", chaos.LOST_IN_BROKER)]
+
+
+@db
+@pytest.mark.parametrize("events", [3, 2])
+def test_checker__a_refused_unique_call_without_its_event_is_seen(events: int) -> None:
+    """(f) Four calls of a lease_unique job returned one id: three were refused, and each
+    must have recorded a deduplicated event on the job's key."""
+    job = chaos.Job("j1", "chaos.unique", "t1", 0.0, kind="unique", ids={"c0": "t1"})
+    job.returned = ("t1", "t1", "t1", "t1")
+    lease = grant("unique:j1", 1, "a", "t1", 0)
+    release(lease, 1, 1)
+    for _ in range(events):
+        LeaseEvent.objects.create(lease=lease, kind="deduplicated", task_id="t1", at=at(0))
+    done("t1")
+    found = run_check([job])
+    assert (("unique", "") in found) == (events != 3), found
