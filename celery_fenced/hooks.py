@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, cast
 
 from celery import signals
@@ -74,14 +74,14 @@ def _fence_when_finalized(app: Any) -> None:
     )
 
 
-def _fence_quietly(app: Any, names: Iterable[str] | None = None) -> None:
-    """Fence what is registered now (or only ``names``); an invalid setting is left to
+def _fence_quietly(app: Any, tasks: Mapping[str, Any] | None = None) -> None:
+    """Fence what is registered now (or only ``tasks``); an invalid setting is left to
     the system checks and to a worker's start, which name it once (here it would be a
     second copy)."""
     from celery_fenced.exceptions import FencedError
 
     try:
-        fence_configured_tasks(app, warn_unmatched=False, names=names)
+        fence_configured_tasks(app, warn_unmatched=False, tasks=tasks)
     except FencedError as exc:
         logger.debug("fenced_tasks not applied: %s", exc)
 
@@ -91,17 +91,17 @@ class _FencingRegistry(TaskRegistry):
     ``fenced_tasks`` selects is given its fenced class as it is registered (Celery's
     ``_task_from_fun``, ``shared_task`` and ``register_task`` all store through here)."""
 
-    _fenced_app: Callable[[], Any]
+    _fenced_app: Callable[[], Any] = staticmethod(lambda: None)  # made elsewhere: no app
 
     def __setitem__(self, name: str, task: Any) -> None:
-        super().__setitem__(name, task)
-        app = self._fenced_app()
-        if app is None or not app.finalized:
-            return
+        # fenced before it is stored: no other thread finds it here unfenced
         try:
-            _fence_quietly(app, [name])
+            app = self._fenced_app()
+            if app is not None and app.finalized:
+                _fence_quietly(app, {name: task})
         except Exception:  # never break a registration: a worker's start fences again
             logger.warning("celery-fenced: could not fence task %r", name, exc_info=True)
+        super().__setitem__(name, task)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TaskRegistry, (dict(self),))  # a copy is a plain registry (no app reference)
@@ -116,10 +116,11 @@ def _fence_later_registrations(app: Any) -> None:
 
 
 def fence_configured_tasks(
-    app: Any, *, warn_unmatched: bool = True, names: Iterable[str] | None = None
+    app: Any, *, warn_unmatched: bool = True, tasks: Mapping[str, Any] | None = None
 ) -> list[str]:
     """Give every task selected by ``fenced_tasks`` the fenced behaviour (or only those
-    of ``names``); return the names of the tasks fenced now.
+    of ``tasks``, name to task, about to be registered); return the names of the tasks
+    fenced now.
 
     Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
     invalid settings.
@@ -129,9 +130,7 @@ def fence_configured_tasks(
 
     settings = conf.load(app)
     fenced = []
-    registry = app._tasks if names is not None else app.tasks
-    for name in list(registry if names is None else names):
-        task = registry[name]
+    for name, task in list((app.tasks if tasks is None else tasks).items()):
         options = settings.options_for(name)
         if options is None:
             continue
@@ -145,7 +144,10 @@ def fence_configured_tasks(
             task.acks_late = True
             task.reject_on_worker_lost = True
             fenced.append(name)
-        checked = task.fenced_options()  # validate now, at start, naming the task
+        # validate now, at start, naming the task; against ``app``'s settings, not through
+        # ``task.app``: a class-based task being registered is not bound yet (its class
+        # would bind itself to the current app)
+        checked = task._merged_options(settings)
         if isinstance(checked.key, str):
             keys.check_template(name, checked.key, task.run)
     unmatched = [

@@ -217,3 +217,73 @@ def test_on_worker_process_init__keeps_the_tracers_the_pool_built() -> None:
     before = task.__trace__
     on_worker_process_init()
     assert task.__trace__ is before
+
+
+def test_class_based_task_registered_after_finalize__bound_to_its_own_app() -> None:
+    """Celery's documented class-based task (``class T(Task)``, ``app.register_task(T())``)
+    on an app that is not the current one: fencing it as it registers must not bind its
+    class to the current app before ``register_task`` binds it to its own (that app's
+    ``task_*`` settings and annotations would be lost)."""
+    from celery import Task
+
+    app = fresh_app(
+        fenced_tasks={"cls.*": {"ttl": 7}},
+        task_ignore_result=True,
+        task_annotations={"cls.job": {"rate_limit": "5/s"}},
+    )
+
+    class Job(Task):  # type: ignore[type-arg]
+        name = "cls.job"
+
+        def run(self, x: int) -> int:
+            return x
+
+    task = app.register_task(Job())
+    assert isinstance(task, FencedExecution)
+    assert task.fenced_options().ttl == 7.0
+    assert (task.ignore_result, task.rate_limit) == (True, "5/s")  # as unfenced: app's own
+
+
+def test_configured_task_registered_after_finalize__never_found_unfenced() -> None:
+    """Another thread that looks the task up by name while it registers (a signature by
+    name, ``app.tasks[name].delay()``) finds it fenced or not at all: never a task whose
+    publish would bypass the outbox."""
+    import threading
+
+    from celery_fenced import conf
+
+    app = fresh_app(fenced_tasks={"late.*": {"ttl": 7}})
+    seen: list[str] = []  # what the other thread found, when it looked
+    load = conf.load
+
+    def look() -> None:
+        found = app.tasks.get("late.job")
+        seen.append("absent" if found is None else type(found).__name__)
+
+    def load_while_another_thread_looks(target: Any = None) -> Any:
+        looker = threading.Thread(target=look)
+        looker.start()
+        looker.join()
+        return load(target)
+
+    def late(x: int) -> int:
+        return x
+
+    conf.load = load_while_another_thread_looks  # type: ignore[assignment]
+    try:
+        task = app.task(name="late.job", shared=False)(late)
+    finally:
+        conf.load = load  # type: ignore[assignment]
+    assert isinstance(task, FencedExecution)
+    assert seen
+    assert set(seen) <= {"absent", "Fencedlate"}, seen
+
+
+def test_a_registry_of_the_fencing_class_made_elsewhere__stores_as_a_plain_one() -> None:
+    """``type(app.tasks)()`` or ``app.tasks.fromkeys(...)`` make a registry of our class
+    that no app owns: storing in it works as in Celery's own."""
+    app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
+    other = type(app.tasks)()
+    other["mod.add"] = app.tasks["other.sub"]
+    assert other["mod.add"] is app.tasks["other.sub"]
+    assert list(app.tasks.fromkeys(["a"])) == ["a"]
