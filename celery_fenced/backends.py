@@ -41,7 +41,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import outages, store, workflow
+from celery_fenced import outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -297,7 +297,10 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             request.meta = {**(getattr(request, "meta", None) or {}), **proof_meta(lease)}
             request._fenced_proven = lease
             try:
-                then()
+                # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
+                # out when this transaction commits: a proof that never commits is none
+                with outbox.plain_sends_recorded(self.app, lease.alias):
+                    then()
             finally:
                 request._fenced_proven = None
             if connections[lease.alias].needs_rollback:
@@ -519,7 +522,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             if request is not None:
                 request._fenced_checked = task_id
             try:
-                then()
+                with outbox.plain_sends_recorded(self.app, alias):
+                    then()
             finally:
                 if request is not None:
                     request._fenced_checked = marker

@@ -182,6 +182,11 @@ class PendingJob(models.Model):
         blank=True,
         help_text="until_done: the token of its grant (running while that grant is held).",
     )
+    plain = models.BooleanField(
+        default=False,
+        help_text="A plain task sent on by a fenced execution's outcome: no grant ends it; "
+        "its sending does.",
+    )
 
     class Meta:
         verbose_name = "pending job"

@@ -76,6 +76,146 @@ def same_job() -> Iterator[None]:
         _same_job.reset(marker)
 
 
+#: the lease database alias whose open transaction records plain tasks' publishes
+_recording_plain: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fenced_outbox_recording_plain"
+)
+
+
+@contextlib.contextmanager
+def plain_sends_recorded(app: Any, alias: str) -> Iterator[None]:
+    """Inside it, while a transaction is open on the lease database ``alias``, a plain
+    (unfenced) task's publish — Celery's ``app.send_task``, which every plain
+    ``apply_async`` ends in — is recorded in that transaction and sent when it commits,
+    like a fenced job's.
+
+    For what an execution's outcome sends on (callbacks, chain steps, errbacks, a chord
+    body), inside the transaction that proves its token current: a message cannot be
+    taken back, and a proof whose transaction never commits (the process paused in it
+    while the database restarted, then resumed) is no proof — the grant may be
+    another's by then. Sent on commit, and sent again by the reclaimer if the process
+    dies between the commit and the send; its row ends once it is sent.
+    """
+    from celery_fenced import store
+
+    if alias != store.database_alias() or not connections[alias].in_atomic_block:
+        yield
+        return
+    _record_plain_sends_of(app)
+    marker = _recording_plain.set(alias)
+    try:
+        yield
+    finally:
+        _recording_plain.reset(marker)
+
+
+def _record_plain_sends_of(app: Any) -> None:
+    """Give ``app`` a ``send_task`` that records while :func:`plain_sends_recorded` is on
+    (and is Celery's own otherwise)."""
+    if "_fenced_send_task" in app.__dict__:
+        return
+    original = app.send_task
+
+    def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        alias = _recording_plain.get(None)
+        if alias is None or not connections[alias].in_atomic_block:
+            return original(name, args, kwargs, **options)
+        return _record_plain(app, original, alias, name, args, kwargs, options)
+
+    app.__dict__["_fenced_send_task"] = original
+    app.send_task = send_task
+
+
+def _record_plain(
+    app: Any,
+    original: Callable[..., Any],
+    alias: str,
+    name: str,
+    args: Any,
+    kwargs: Any,
+    options: dict[str, Any],
+) -> Any:
+    from celery.utils import uuid
+
+    from celery_fenced import conf, store
+
+    task_id = options.pop("task_id", None) or uuid()
+    to_parent = options.pop("add_to_parent", True)
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    expires = _expiry(options.get("expires"))
+    job = _encoded(_Named(app, name), args, kwargs, task_id, options, expires)
+    if job is None:  # JSON cannot carry it: sent now, as Celery sends it
+        return original(name, args, kwargs, task_id=task_id, add_to_parent=to_parent, **options)
+    store.record_pending(
+        alias,
+        store.Pending(
+            task_id=task_id,
+            task_name=name,
+            key="",
+            job=job,
+            countdown=_seconds(options.get("countdown")),
+            eta=_moment(options.get("eta")),
+            expires=expires,
+            resend_after=conf.load(app).outbox_resend_after,
+            plain=True,
+        ),
+    )
+    # what the caller lent (a group's producer) is back in its pool by the commit
+    kept = {k: v for k, v in options.items() if k not in ("producer", "result_cls")}
+
+    # bounded publish retries, as Celery's tracer sends a task's callbacks
+    retry_publish = getattr(app.amqp, "_retry_publish", None)
+
+    def send() -> None:
+        try:
+            if retry_publish is not None:
+                retry_publish(
+                    original, name, args, kwargs, task_id=task_id, add_to_parent=False, **kept
+                )
+            else:
+                original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept)
+        except Exception as exc:
+            logger.warning(
+                "task %s[%s]: recorded, but not sent (%r); the reclaimer sends it",
+                name,
+                task_id,
+                exc,
+                extra={"task_id": task_id},
+            )
+            try:
+                store.mark_unsent(alias, task_id)
+            except DatabaseError:
+                logger.info("could not mark %s unsent", task_id, exc_info=True)
+            return
+        try:
+            store.forget_pending(alias, task_id)
+        except DatabaseError:  # the reclaimer will send it again: at least once
+            logger.warning(
+                "task %s[%s]: sent, but its outbox row could not be ended; the reclaimer "
+                "may send it again",
+                name,
+                task_id,
+                exc_info=True,
+                extra={"task_id": task_id},
+            )
+
+    transaction.on_commit(send, using=alias)
+    result = (options.get("result_cls") or app.AsyncResult)(task_id)
+    if to_parent:  # the trail, as Celery's send_task keeps it: now, not at the commit
+        parent = app.current_worker_task
+        if parent is not None:
+            parent.add_trail(result)
+    return result
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A plain task, by name, where :func:`_encoded` wants a task (its name and app)."""
+
+    app: Any
+    name: str
+
+
 if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
@@ -113,7 +253,7 @@ def publish(
     alias = store.database_alias()
     args, kwargs = list(args or ()), dict(kwargs or {})
     expires = _expiry(options.get("expires"))
-    job = _encoded(task, args, kwargs, task_id, options, expires)
+    job = _encoded(task, args, kwargs, task_id, options, expires)  # task: its name, app
     if job is None:
         return send(False)
     pending = store.Pending(
@@ -196,7 +336,7 @@ def _deduplicated(
 
 
 def _encoded(
-    task: FencedExecution,
+    task: Any,
     args: list[Any],
     kwargs: dict[str, Any],
     task_id: str,
@@ -345,6 +485,8 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         max_sends,
         extra=extra,
     )
+    if due.plain:  # no grant will end it: its sending does
+        store.forget_pending(alias, due.task_id)
     _signal(signals.lease_resent, due, attempt=due.sends)
     return outcome("resent")
 

@@ -30,6 +30,8 @@ class Due:
     job: str
     sends: int
     eta: dt.datetime | None = None
+    #: a plain task's job: its row ends once it is sent
+    plain: bool = False
 
 
 def record_pending(alias: str, pending: Pending) -> str:
@@ -83,18 +85,18 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True, started_token=None)
     candidates = list(
         due.order_by("resend_at").values_list(
-            "id", "task_id", "task_name", "key", "job", "sends", "eta"
+            "id", "task_id", "task_name", "key", "job", "sends", "eta", "plain"
         )[:limit]
     )
     claimed = []
-    for row_id, task_id, task_name, key, job, sends, eta in candidates:
+    for row_id, task_id, task_name, key, job, sends, eta, plain in candidates:
         won = due.filter(id=row_id, sends=sends).update(
             sends=F("sends") + 1,
             unsent=False,
             resend_at=Now() + dt.timedelta(seconds=resend_after),
         )
         if won:
-            claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1, eta))
+            claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1, eta, plain))
     return claimed, len(candidates) == limit
 
 

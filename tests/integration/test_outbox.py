@@ -454,3 +454,60 @@ def test_fenced_tasks_task_registered_after_finalize__published_through_the_outb
     deliver(app, broker.one("late.report"))
     assert status(lease_db, result.id) == (states.SUCCESS, "2")
     assert pending(lease_db) == []
+
+
+def test_plain_callback__recorded_by_the_proof_sent_on_its_commit_then_its_row_ends(
+    broker: Broker, lease_db: str
+) -> None:
+    """A plain task sent on by a fenced success (R4) is recorded in the transaction that
+    proves the token and sent when it commits (a message cannot be taken back: a proof
+    that never commits is none); sent, its row ends. It is the parent's child."""
+    app = broker.app
+    seen: list[int] = []
+
+    def at_publish(sender: Any = None, **_: Any) -> None:
+        if sender == "seams.sink":  # sent after the commit: the parent's row is there
+            seen.append(PendingJob.objects.using(lease_db).filter(task_name=sender).count())
+
+    from celery import signals as celery_signals
+
+    celery_signals.before_task_publish.connect(at_publish, weak=False)
+    try:
+        result = app.signature("seams.step", ("p",)).apply_async(link=app.signature("seams.sink"))
+        deliver(app, broker.one("seams.step"))
+    finally:
+        celery_signals.before_task_publish.disconnect(at_publish)
+    assert seen == [1]  # recorded before it was sent
+    (headers, body) = broker.one("seams.sink")
+    assert list(body[0]) == ["p@1"]
+    assert pending(lease_db) == []  # sent: ended
+    assert [c.id for c in app.AsyncResult(result.id).children] == [headers["id"]]
+
+
+def test_plain_callback__broker_down_at_the_commit__sent_by_the_reclaimer_once(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = broker.app
+    app.signature("seams.step", ("d",)).apply_async(link=app.signature("seams.sink"))
+    message = broker.one("seams.step")
+    amqp = app.amqp
+    original = amqp.send_task_message
+
+    def refusing(producer: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "seams.sink":
+            raise BrokerDown("broker down")
+        return original(producer, name, *args, **kwargs)
+
+    monkeypatch.setattr(amqp, "send_task_message", refusing)
+    deliver(app, message)
+    assert status(lease_db, message[0]["id"])[0] == states.SUCCESS  # not a FAILURE
+    assert broker.sent("seams.sink") == []
+    (row,) = pending(lease_db)
+    assert (row.task_name, row.plain, row.unsent) == ("seams.sink", True, True)
+    monkeypatch.undo()
+    outcomes = resend_pending(app, using=lease_db)
+    assert [(o.action, o.reason) for o in outcomes] == [("resent", "")]
+    (_headers, body) = broker.one("seams.sink")
+    assert list(body[0]) == ["d@1"]
+    assert pending(lease_db) == []  # sent: ended, never sent again
+    assert resend_pending(app, using=lease_db) == []

@@ -941,3 +941,62 @@ def test_connection_lost_before_a_retry__the_retry_is_sent_not_a_failure(
     assert (first["retries"], again["retries"]) == (0, 1)
     lease = Lease.objects.using(lease_db).get(task_id="retrying-8")
     assert lease.released_at is not None  # the retry ended this grant; the next run takes one
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept connection", "Django's"])
+def test_connection_lost_after_the_proof__the_stale_execution_sends_no_callback(
+    broker: Broker, lease_db: str, keep: bool, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R4 (seen in the chaos runner). A's success is proven, and A's process is paused
+    (SIGSTOP) in the transaction that proved it, before its callback is sent. The
+    database restarts under it: that transaction is rolled back, the grant expires, B
+    takes over (token 2) and sends the callback. A resumes: its proof went with its
+    connection, so it must send nothing (its outcome is refused when tried again)."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    from celery_fenced import store
+    from tests.conftest import side_connection
+
+    settings.CELERY_FENCED_KEEP_CONNECTION = keep
+    app = broker.app
+    app.signature("seams.step", ("y",)).apply_async(link=app.signature("seams.sink"))
+    message = broker.one("seams.step")
+    task_id = message[0]["id"]
+    paused, resume = threading.Event(), threading.Event()
+    backend_pid: list[int] = []
+    prove = store.prove_for_result
+
+    def pause_a(lease: Any, *args: Any, **kwargs: Any) -> Any:
+        proven = prove(lease, *args, **kwargs)
+        if threading.current_thread().name == "A" and not paused.is_set():
+            # A is paused in the transaction that proved it, holding the lease row
+            backend_pid.append(connections[lease.alias].connection.info.backend_pid)
+            paused.set()
+            assert resume.wait(60)
+        return proven
+
+    monkeypatch.setattr(store, "prove_for_result", pause_a)
+    try:
+        a = Execution(app, message, "A")
+        a.gate.set()  # the body returns at once; A settles its success
+        assert paused.wait(30), "A never settled its success"
+        with side_connection(lease_db) as admin:  # the restart, while A is paused
+            admin.execute("SELECT pg_terminate_backend(%s)", [backend_pid[0]])
+            wait_for(
+                lambda: (
+                    not admin.execute(
+                        "SELECT 1 FROM pg_stat_activity WHERE pid = %s", [backend_pid[0]]
+                    ).fetchone()
+                ),
+                "A's session to end",
+            )
+        expire(lease_db, granted(lease_db, task_id, 1))  # A's release went with it
+        b = Execution(app, message, "B")
+        b.finish()  # token 2: the job's result, and its callback
+        resume.set()
+        a.thread.join(60)
+        assert not a.thread.is_alive()
+    finally:
+        resume.set()
+    assert [list(body[0]) for _, body in broker.sent("seams.sink")] == [["y@2"]]
+    assert status(lease_db, task_id) == ("SUCCESS", '"y@2"')

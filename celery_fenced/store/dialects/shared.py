@@ -34,6 +34,7 @@ class PortableOperations(Dialect):
             "unique_key": None,
             "unique_until": "",
             "started_token": None,
+            "plain": pending.plain,
         }
         rows = PendingJob._default_manager.using(self.alias)
         with transaction.atomic(using=self.alias):

@@ -46,7 +46,8 @@ class SQLDialect(PortableOperations):
         self._fetch(
             f"""{values}
                 ON CONFLICT (task_id) DO UPDATE SET {self._pending_reset()},
-                    unique_key = NULL, unique_until = '', started_token = NULL
+                    unique_key = NULL, unique_until = '', started_token = NULL,
+                    plain = excluded.plain
                 RETURNING id""",
             params,
         )
@@ -62,12 +63,12 @@ class SQLDialect(PortableOperations):
         )
         sql = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
                     expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
-                    unique_key, unique_until, started_token)
+                    unique_key, unique_until, started_token, plain)
                 VALUES (%s, %s, %s, %s, {self.NOW},
                         {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
                         {self.expiry("%s") if relative_expiry else "%s"},
                         {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', {"%s, %s" if unique else "NULL, ''"}, NULL)"""
+                        0, %s, NULL, '', {"%s, %s" if unique else "NULL, ''"}, NULL, %s)"""
         params = [
             pending.task_id,
             pending.task_name[:255],
@@ -84,6 +85,7 @@ class SQLDialect(PortableOperations):
             else self.ttl_param((pending.countdown or 0.0) + pending.resend_after),
             False,
             *([pending.key, pending.unique or ""] if unique else []),
+            pending.plain,
         ]
         return sql, params
 
