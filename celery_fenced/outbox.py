@@ -247,27 +247,12 @@ def publish(
     sends it (the caller is not told with an error: in a web request the transaction that
     recorded the job has committed, and a retried request would publish it twice).
     """
-    from celery_fenced import conf, store
+    from celery_fenced import store
 
-    settings = conf.load(task.app)
     alias = store.database_alias()
-    args, kwargs = list(args or ()), dict(kwargs or {})
-    expires = _expiry(options.get("expires"))
-    job = _encoded(task, args, kwargs, task_id, options, expires)  # task: its name, app
-    if job is None:
+    pending = _pending(task, args, kwargs, task_id, options)
+    if pending is None:
         return send(False)
-    pending = store.Pending(
-        task_id=task_id,
-        task_name=task.name,
-        key=_key(task, args, kwargs),
-        job=job,
-        countdown=_seconds(options.get("countdown")),
-        eta=_moment(options.get("eta")),
-        expires=expires,
-        resend_after=settings.outbox_resend_after,
-        unique=task.fenced_options().unique,
-        same_job=_same_job.get(False),
-    )
     in_transaction = connections[alias].in_atomic_block
     # the database away for a moment (a restart, a failover) is waited out, as a result
     # write waits; then, or inside the caller's transaction, its error is the caller's:
@@ -303,6 +288,41 @@ def publish(
     return result
 
 
+def _pending(
+    task: FencedExecution,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    task_id: str,
+    options: Mapping[str, Any],
+    *,
+    same_job: bool = False,
+) -> store.Pending | None:
+    """The outbox row of a publish, or None when JSON cannot carry its job."""
+    from celery_fenced import conf, store
+
+    settings = conf.load(task.app)
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    expires = _expiry(options.get("expires"))
+    job = _encoded(task, args, kwargs, task_id, options, expires)
+    if job is None:
+        return None
+    return store.Pending(
+        task_id=task_id,
+        task_name=task.name,
+        key=_key(task, args, kwargs),
+        job=job,
+        countdown=_seconds(options.get("countdown")),
+        eta=_moment(options.get("eta")),
+        expires=expires,
+        resend_after=settings.outbox_resend_after,
+        unique=task.fenced_options().unique,
+        # a retry is the same job; a call that carries a workflow (a chain's next steps,
+        # callbacks, a chord or group it belongs to, a frozen id its caller holds) must
+        # be sent: refused, its workflow would wait forever. Both take the key if free.
+        same_job=same_job or _same_job.get(False) or _in_workflow(options),
+    )
+
+
 def _deduplicated(
     task: FencedExecution, alias: str, pending: store.Pending, standing: str
 ) -> AsyncResult[Any]:
@@ -333,6 +353,14 @@ def _deduplicated(
     )
     result: AsyncResult[Any] = task.AsyncResult(standing)  # type: ignore[attr-defined]
     return result
+
+
+#: options of a call that is a step of a workflow (chain, callbacks, group, chord)
+WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
+
+
+def _in_workflow(options: Mapping[str, Any]) -> bool:
+    return "chain" in options or any(options.get(name) for name in WORKFLOW_OPTIONS)
 
 
 def _encoded(

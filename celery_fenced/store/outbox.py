@@ -80,7 +80,8 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     and whether more may be due (``limit`` rows were read).
     """
     rows = PendingJob.objects.using(alias)
-    rows.filter(expires_at__lte=Now()).delete()  # Celery would revoke it on arrival
+    # Celery would revoke it on arrival; a started until_done row runs on (see below)
+    rows.filter(expires_at__lte=Now(), started_token=None).delete()
     dialects.for_alias(alias).delete_ended_copies()  # until_done rows whose run ended
     due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True, started_token=None)
     candidates = list(

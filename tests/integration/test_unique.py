@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import states
+from celery import chain, chord, states
 from django.db import connections, transaction
 from django.db.models.functions import Now
 
@@ -22,7 +22,7 @@ from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from tests.conftest import DATABASE_ALIASES
 from tests.integration.test_outbox import pending, rolled_back
-from tests.integration.test_seams import Broker, Execution, deliver, granted, status
+from tests.integration.test_seams import Broker, Execution, deliver, granted, status, wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
@@ -39,8 +39,8 @@ def unique(request: pytest.FixtureRequest, broker: Broker) -> Iterator[str]:
     task.lease_unique = None
 
 
-def publish(broker: Broker, report_id: int) -> str:
-    return str(broker.app.tasks["seams.keyed"].delay(report_id).id)
+def publish(broker: Broker, report_id: int, **options: Any) -> str:
+    return str(broker.app.tasks["seams.keyed"].apply_async((report_id,), **options).id)
 
 
 def deduplicated(alias: str) -> list[LeaseEvent]:
@@ -263,3 +263,157 @@ def test_the_same_task_id_again__its_row_takes_the_key_not_refused_as_a_copy(
     assert (row.task_id, row.unique_key) == (first, "report:7")
     assert [h["id"] for h, _ in broker.sent("seams.keyed")] == [first, first]
     assert publish(broker, 7) == first  # and a new call is refused with its id
+
+
+@pytest.fixture
+def until_done(broker: Broker) -> Iterator[Any]:
+    task = broker.app.tasks["seams.keyed"]
+    task.lease_unique = "until_done"
+    yield task
+    task.lease_unique = None
+    task.lease_on_busy = None
+
+
+@pytest.mark.parametrize("on_busy", ["skip"])
+def test_until_done__a_redelivery_found_busy_does_not_end_the_running_copys_row(
+    broker: Broker, lease_db: str, until_done: Any, on_busy: str
+) -> None:
+    """The broker delivers the running copy's message again (a visibility timeout, a
+    connection lost before the ack): that delivery finds the key busy and is skipped.
+    The copy still runs under its grant: a new call must still be refused."""
+    until_done.lease_on_busy = on_busy
+    first = publish(broker, 7)
+    message = broker.one("seams.keyed")
+    running = Execution(broker.app, message, "A")
+    try:
+        granted(lease_db, first, 1)
+        deliver(broker.app, message)  # the same message again: busy, skipped
+        assert publish(broker, 7) == first  # the first copy is still running
+        assert len(broker.sent("seams.keyed")) == 1
+    finally:
+        running.finish()
+
+
+def test_until_done__a_busy_retried_redelivery_then_a_completed_duplicate__key_freed(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """The redelivered copy is retried as busy (re-recording the row), then arrives once
+    the job has completed: it is a duplicate and never runs. Its row must not go on
+    standing for a copy that will never run (refusing every new call with its id)."""
+    first = publish(broker, 7)
+    message = broker.one("seams.keyed")
+    running = Execution(broker.app, message, "A")
+    granted(lease_db, first, 1)
+    deliver(broker.app, message)  # busy: retried later, recorded again
+    running.finish()
+    retried = broker.sent("seams.keyed")[-1]
+    assert retried[0]["id"] == first
+    deliver(broker.app, retried)  # a duplicate of a completed job: skipped
+    assert [r.task_id for r in pending(lease_db) if r.started_token is None] == []
+    assert publish(broker, 7) != first  # the copy is done: a new call queues
+
+
+def test_until_done__a_running_copy_past_its_expires_still_holds_the_key(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """``expires`` is when an unstarted message is dropped; a copy that started before it
+    runs to the end, and until_done holds the key until its grant ends."""
+    first = publish(broker, 7, expires=3600)
+    running = Execution(broker.app, broker.one("seams.keyed"), "A")
+    try:
+        granted(lease_db, first, 1)
+        PendingJob.objects.using(lease_db).update(expires_at=Now())  # the deadline passes
+        assert publish(broker, 7) == first  # still running
+        resend_pending(broker.app, using=lease_db)  # the sweep
+        assert publish(broker, 7) == first  # still running
+    finally:
+        running.finish()
+
+
+def test_chain_whose_first_step_is_refused__the_rest_of_the_chain_still_runs(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """A refused call sends nothing, so a chain whose first step is a copy of a queued
+    job loses its other steps: its result (the last step's id) never completes."""
+    app = broker.app
+    publish(broker, 7)  # a copy queued by someone else
+    result = chain(app.signature("seams.keyed", (7,)), app.signature("seams.sink")).apply_async()
+    for message in broker.sent("seams.keyed"):
+        deliver(app, message)
+    sunk = broker.sent("seams.sink")
+    assert [h["id"] for h, _ in sunk] == [result.id]  # the chain's last step was sent
+
+
+def test_chord_with_two_copies_in_its_header__the_body_fires(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """The chord counts its header's results: a refused header member never reports,
+    so the body never fires."""
+    app = broker.app
+    header = [app.signature("seams.keyed", (7,)), app.signature("seams.keyed", (7,))]
+    chord(header, app.signature("seams.sink")).apply_async()
+    for message in broker.sent("seams.keyed"):
+        deliver(app, message)
+    assert len(broker.sent("seams.sink")) == 1
+
+
+def test_refused_call_in_an_open_transaction__does_not_hold_up_the_copys_grant(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """A web request whose transaction publishes a copy (refused) and goes on working
+    must not stop the standing copy's worker from starting it until that commit."""
+    if connections[lease_db].vendor != "postgresql":
+        pytest.skip("SQLite: a writer's open transaction blocks every other writer anyway")
+    from tests.conftest import side_connection
+
+    first = publish(broker, 7)
+    message = broker.one("seams.keyed")
+    with transaction.atomic(using=lease_db):
+        assert publish(broker, 7) == first  # refused
+        ours = connections[lease_db].connection.info.backend_pid
+        running = Execution(broker.app, message, "A")
+
+        def granted_or_waiting() -> str | None:
+            if _granted_elsewhere(lease_db, first):
+                return "granted"
+            with side_connection(lease_db) as admin:
+                waiting = admin.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    [ours],
+                ).fetchone()
+            return "waits for this transaction" if waiting else None
+
+        outcome = wait_for(granted_or_waiting, "A's grant, or A waiting on this transaction")
+    running.finish()
+    assert outcome == "granted"
+
+
+def _granted_elsewhere(alias: str, task_id: str) -> bool:
+    """Whether ``task_id`` holds token 1, read on a connection of its own."""
+    result: list[bool] = []
+
+    def read() -> None:
+        try:
+            result.append(Lease.objects.using(alias).filter(task_id=task_id, token=1).exists())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join(10)
+    return bool(result and result[0])
+
+
+def test_group_with_two_copies__every_member_result_completes(
+    broker: Broker, lease_db: str, until_done: Any
+) -> None:
+    """A group's result holds its members' frozen ids, not what apply_async returned:
+    a refused member's id never gets a result."""
+    from celery import group
+
+    app = broker.app
+    result = group(app.signature("seams.keyed", (7,)), app.signature("seams.keyed", (7,)))()
+    for message in broker.sent("seams.keyed"):
+        deliver(app, message)
+    sent = {h["id"] for h, _ in broker.sent("seams.keyed")}
+    assert {child.id for child in result.results} <= sent

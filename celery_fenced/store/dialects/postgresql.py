@@ -6,8 +6,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import IntegrityError, transaction
-
 from celery_fenced.store.dialects.records import (
     COMPLETION,
     EVENT,
@@ -138,48 +136,70 @@ class PostgreSQL(SQLDialect):
         return holder_of(rows)
 
     def record_unique_pending(self, pending: Pending) -> str:
-        """:meth:`PortableOperations.record_unique_pending` in one statement: the insert
-        whose ``unique_key`` conflict takes an ended copy's place (or its own, for the
-        same task id) and otherwise writes nothing; then, refused, a read of the copy
-        that stands. A retry's publish, and the rare conflict on the task id (a row of
+        """:meth:`PortableOperations.record_unique_pending` without a lock on the copy
+        that stands: the insert does nothing on a conflict (``ON CONFLICT DO NOTHING``
+        locks no row, so a refused call in a transaction of its own never holds up the
+        standing copy's grant); refused, a read of that copy tells whether it still
+        stands; an ended copy's row is deleted by a conditional ``DELETE`` and the insert
+        tried again. The recorded copy's key gets its lease row (token 0, never granted)
+        in the same statement, before any worker can grant it, so a refused call only
+        adds an event to it. A retry's publish, and a conflict on the task id (a row of
         the same job recorded without the key), take the portable path."""
         if pending.same_job:
             return super().record_unique_pending(pending)
         values, params = self._pending_insert(pending, unique=True)
-        statement = f"""{values}
-                ON CONFLICT (unique_key) DO UPDATE SET {self._pending_reset()},
-                    task_id = excluded.task_id, unique_until = excluded.unique_until,
-                    started_token = NULL
-                WHERE {PENDING}.task_id = excluded.task_id
-                   OR {PENDING}.abandoned_at IS NOT NULL
-                   OR {PENDING}.expires_at <= statement_timestamp()
-                   OR ({PENDING}.started_token IS NOT NULL
-                       AND (excluded.unique_until <> 'until_done' OR EXISTS (
-                           SELECT 1 FROM {LEASE} l WHERE l.key = {PENDING}.key
-                           AND (l.token > {PENDING}.started_token
-                                OR (l.token = {PENDING}.started_token
-                                    AND (l.released_at IS NOT NULL
-                                         OR l.expires_at <= statement_timestamp()))))))
-                RETURNING task_id"""
-        connection = self.connection
+        ended = self._ended_sql(pending.unique)
         for _attempt in range(8):
-            try:
-                if connection.in_atomic_block:  # a conflict on the task id must not
-                    with transaction.atomic(using=self.alias):  # abort the caller's
-                        rows = self._fetch(statement, params)
-                else:
-                    rows = self._fetch(statement, params)
-            except IntegrityError:
-                return super().record_unique_pending(pending)
+            rows = self._fetch(
+                f"""WITH ins AS ({values} ON CONFLICT DO NOTHING RETURNING task_id, key),
+                    head AS (
+                        INSERT INTO {LEASE} (key, token, owner, task_id, task_name,
+                                             acquired_at, renewed_at, expires_at, released_at,
+                                             reclaimed_from, job, reclaim_attempts,
+                                             reclaim_state, reclaim_claimed_at,
+                                             completed_digest, release_state)
+                        SELECT key, 0, '', '', %s, statement_timestamp(),
+                               statement_timestamp(), statement_timestamp(),
+                               statement_timestamp(), '', NULL, 0, '', NULL, '', ''
+                        FROM ins
+                        ON CONFLICT (key) DO NOTHING)
+                    SELECT task_id FROM ins""",
+                [*params, pending.task_name[:255]],
+            )
             if rows:
                 return str(rows[0][0])
             standing = self._fetch(
-                f"SELECT task_id FROM {PENDING} WHERE unique_key = %s", [pending.key]
+                f"SELECT task_id, {ended} FROM {PENDING} p WHERE unique_key = %s",
+                [pending.key],
             )
-            if standing:
-                return str(standing[0][0])
-            # the standing copy ended (or its commit is not in this snapshot): again
+            if not standing:
+                break  # a conflict on the task id: the same job's row, without the key
+            task_id, is_ended = standing[0]
+            if not is_ended:
+                return str(task_id)  # refused (or this very job, recorded before)
+            self._fetch(
+                f"DELETE FROM {PENDING} p WHERE unique_key = %s AND {ended} RETURNING id",
+                [pending.key],
+            )
         return super().record_unique_pending(pending)
+
+    def _ended_sql(self, unique: str | None) -> str:
+        """Whether pending row ``p`` no longer stands for a copy (see
+        :meth:`PortableOperations._ended_copies`): abandoned, expired before it started,
+        or started under a grant that has ended (``until_done``; any start ends an
+        ``until_started`` copy)."""
+        started_ended = (
+            f"""EXISTS (SELECT 1 FROM {LEASE} l WHERE l.key = p.key
+                        AND (l.token > p.started_token
+                             OR (l.token = p.started_token
+                                 AND (l.released_at IS NOT NULL
+                                      OR l.expires_at <= statement_timestamp()))))"""
+            if unique == "until_done"
+            else "TRUE"
+        )
+        return f"""(p.abandoned_at IS NOT NULL
+                    OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
+                    OR (p.started_token IS NOT NULL AND {started_ended}))"""
 
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str
@@ -226,9 +246,9 @@ class PostgreSQL(SQLDialect):
         grant ends. A busy key ends it unconditionally: the job is skipped, failed, or
         retried (and recorded again by its retry).
         """
-        if not granted:
+        if not granted:  # a started row is the running copy's (this is a redelivery)
             return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s)"""
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND started_token IS NULL)"""
         return f""",
                 pend AS (DELETE FROM {PENDING} WHERE task_id = %s
                          AND unique_until <> 'until_done' AND EXISTS (SELECT 1 FROM granted)),

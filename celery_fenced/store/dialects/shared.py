@@ -127,7 +127,8 @@ class PortableOperations(Dialect):
         started: Any = Q(started_token__isnull=False)
         if unique == "until_done":
             started = started & Exists(ended_grant)
-        return rows.filter(Q(abandoned_at__isnull=False) | Q(expires_at__lte=Now()) | started)
+        expired = Q(expires_at__lte=Now(), started_token__isnull=True)  # started: it runs on
+        return rows.filter(Q(abandoned_at__isnull=False) | expired | started)
 
     def delete_ended_copies(self) -> int:
         """Delete the ``until_done`` rows whose run has ended (see :meth:`_ended_copies`)."""
@@ -199,12 +200,14 @@ class PortableOperations(Dialect):
 
     def _pending_after_grant(self, task_id: str, token: int | None) -> None:
         """An ``until_done`` row stays while its grant (``token``) runs; without a grant
-        (busy, a duplicate) it ends."""
+        (busy, a duplicate) it ends — unless it has started: then it stands for the
+        execution that holds (or held) its grant, not for this delivery (a redelivery of
+        the running copy's message finds the key busy)."""
         rows = PendingJob._default_manager.using(self.alias).filter(
             task_id=task_id, unique_until="until_done"
         )
         if token is None:
-            rows.delete()
+            rows.filter(started_token__isnull=True).delete()
         else:
             rows.update(started_token=token)
 
