@@ -166,26 +166,16 @@ def _record_plain(
     # bounded publish retries, as Celery's tracer sends a task's callbacks
     retry_publish = getattr(app.amqp, "_retry_publish", None)
 
-    def send() -> None:
-        try:
-            if retry_publish is not None:
-                retry_publish(
-                    original, name, args, kwargs, task_id=task_id, add_to_parent=False, **kept
-                )
-            else:
-                original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept)
-        except Exception as exc:
-            logger.warning(
-                "task %s[%s]: recorded, but not sent (%r); the reclaimer sends it",
-                name,
-                task_id,
-                exc,
-                extra={"task_id": task_id},
+    def publish() -> None:
+        if retry_publish is not None:
+            retry_publish(
+                original, name, args, kwargs, task_id=task_id, add_to_parent=False, **kept
             )
-            try:
-                store.mark_unsent(alias, task_id)
-            except DatabaseError:
-                logger.info("could not mark %s unsent", task_id, exc_info=True)
+        else:
+            original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept)
+
+    def send() -> None:
+        if not _sent_or_marked_unsent(alias, name, task_id, publish):
             return
         try:
             store.forget_pending(alias, task_id)
@@ -206,6 +196,32 @@ def _record_plain(
         if parent is not None:
             parent.add_trail(result)
     return result
+
+
+def _sent_or_marked_unsent(
+    alias: str, name: str, task_id: str, publish: Callable[[], Any]
+) -> bool:
+    """``publish()`` a recorded job; refused (the broker down, an error), its row is
+    marked unsent for the reclaimer's next sweep and the failure logged. Whether sent."""
+    from celery_fenced import store
+
+    try:
+        publish()
+    except Exception as exc:
+        refused = isinstance(exc, OperationalError | ConnectionError | TimeoutError)
+        (logger.warning if refused else logger.error)(
+            "task %s[%s]: recorded, but not sent (%r); the reclaimer sends it",
+            name,
+            task_id,
+            exc,
+            extra={"task_id": task_id},
+        )
+        try:
+            store.mark_unsent(alias, task_id)
+        except DatabaseError:
+            logger.info("could not mark %s unsent", task_id, exc_info=True)
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -266,24 +282,10 @@ def publish(
     if standing != task_id:
         return _deduplicated(task, alias, pending, standing)
 
-    def send_recorded() -> None:
-        try:
-            send(in_transaction)
-        except Exception as exc:
-            refused = isinstance(exc, OperationalError | ConnectionError | TimeoutError)
-            (logger.warning if refused else logger.error)(
-                "task %s[%s]: recorded, but not sent (%r); the reclaimer sends it",
-                task.name,
-                task_id,
-                exc,
-                extra={"task_id": task_id},
-            )
-            try:
-                store.mark_unsent(alias, task_id)
-            except DatabaseError:
-                logger.info("could not mark %s unsent", task_id, exc_info=True)
-
-    transaction.on_commit(send_recorded, using=alias)
+    transaction.on_commit(
+        lambda: _sent_or_marked_unsent(alias, task.name, task_id, lambda: send(in_transaction)),
+        using=alias,
+    )
     result: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
     return result
 
