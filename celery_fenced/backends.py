@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -481,8 +480,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if ended is not None:  # set by the main process's request: see requests.py
             process = ended.owner_prefix
         else:
-            hostname = getattr(request, "hostname", None) or "local"
-            process = f"{hostname}:{os.getpid()}:"
+            # reported by the thread that ran the delivery (it failed before its grant):
+            # only a grant of this very thread is its own — another thread of the
+            # process (a threads pool) may be running the job
+            from celery_fenced.execution import execution_owner
+
+            process = execution_owner(request)
         may = store.settle_elsewhere(task_id, process=process, by=f"worker:{state.lower()}")
         if not may:
             logger.warning(

@@ -332,7 +332,7 @@ class FencedExecution:
                 key,
                 connection=store.kept_connection(alias, request),
                 ttl=options.ttl,
-                owner=_owner(request),
+                owner=execution_owner(request),
                 task_id=task_id,
                 task_name=self.name,
                 using=alias,
@@ -343,7 +343,11 @@ class FencedExecution:
             )
         except AlreadyCompleted:
             store.record_duplicate(
-                key, task_id, _owner(request), {"task": self.name, "retries": retries}, using=alias
+                key,
+                task_id,
+                execution_owner(request),
+                {"task": self.name, "retries": retries},
+                using=alias,
             )
             logger.info(
                 "task %s[%s] skipped as a duplicate: the same job already completed under "
@@ -552,6 +556,7 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
         validate_task_class(cls)
 
 
-def _owner(request: Any) -> str:
+def execution_owner(request: Any) -> str:
+    """The lease owner of an execution of ``request`` in this thread: ``host:pid:thread``."""
     host = getattr(request, "hostname", None) or "local"
     return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]

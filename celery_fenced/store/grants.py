@@ -164,7 +164,8 @@ def settle_elsewhere(
     """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
     For writes that carry no lease: the worker's main process reporting that the process
-    ``process`` (an owner prefix, ``host:pid:``; None for a delivery that never started)
+    ``process`` (an owner prefix, ``host:pid:``, or one execution's owner, for a report
+    made by the thread that ran the delivery; None for a delivery that never started)
     ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
     before its grant. That process's own live grant of ``task_id`` is ended (force-released:
     the next grant comes at once, and the old holder stays fenced out); no other grant is.
@@ -181,7 +182,9 @@ def settle_elsewhere(
     for key, token, owner, live in dialect.task_grants(task_id):
         if process is None and not live:
             continue
-        if process is not None and owner.startswith(process):
+        if process is not None and (
+            owner == process or (process.endswith(":") and owner.startswith(process))
+        ):
             ended = dialect.force_release(key, by, task_id=task_id, token=token)
             if ended is not None:
                 logger.info(

@@ -1000,3 +1000,27 @@ def test_connection_lost_after_the_proof__the_stale_execution_sends_no_callback(
         resume.set()
     assert [list(body[0]) for _, body in broker.sent("seams.sink")] == [["y@2"]]
     assert status(lease_db, task_id) == ("SUCCESS", '"y@2"')
+
+
+def test_busy_failed_redelivery_in_the_same_process__ends_not_the_running_grant(
+    broker: Broker, lease_db: str
+) -> None:
+    """A threads pool runs the redelivered copy of a running job in the same process:
+    found busy with ``on_busy="fail"``, its FAILURE is reported without a lease — and must
+    end no grant but its own thread's (it has none): the running execution keeps its
+    lease and its result stands (a late or duplicate delivery ends none)."""
+    app = broker.app
+    task = app.tasks["seams.keyed"]
+    task.lease_on_busy = "fail"
+    try:
+        app.signature("seams.keyed", (5,)).apply_async(task_id="running-5")
+        message = broker.one("seams.keyed")
+        a = Execution(app, message, "A")
+        granted(lease_db, "running-5", 1)
+        deliver(app, message)  # the same message again, in this thread: busy, fails
+        lease = Lease.objects.using(lease_db).get(key="report:5")
+        assert (lease.token, lease.released_at) == (1, None)  # A still holds it
+        a.finish()
+    finally:
+        task.lease_on_busy = None
+    assert status(lease_db, "running-5") == ("SUCCESS", '"5@1"')
