@@ -379,6 +379,10 @@ def _encoded(
         for name, value in options.items()
         if name in reclaim.OPTION_NAMES and value is not None and name != "expires"
     }
+    if "headers" in kept:  # a retry carries its request's: only what JSON can carry
+        kept["headers"] = _portable_headers(kept["headers"])
+        if not kept["headers"]:
+            del kept["headers"]
     if expires is not None:  # absolute: a later sending keeps the first one's deadline
         kept["expires"] = (
             expires
@@ -396,6 +400,23 @@ def _encoded(
             extra={"task_id": task_id},
         )
         return None
+
+
+def _portable_headers(headers: Any) -> dict[str, Any]:
+    """The custom message headers a re-sending can carry: string keys, JSON values; none
+    of a process's own (``_``-prefixed) attributes."""
+    if not isinstance(headers, Mapping):
+        return {}
+    kept = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or name.startswith("_"):
+            continue
+        try:
+            reclaim.encode_job(reclaim.Job("h", [], {}, {"headers": {name: value}}))
+        except Exception:
+            continue
+        kept[name] = value
+    return kept
 
 
 def _key(task: FencedExecution, args: list[Any], kwargs: dict[str, Any]) -> str:

@@ -65,6 +65,8 @@ OPTION_NAMES = frozenset(
         "expires",
         "time_limit",
         "soft_time_limit",
+        "headers",
+        "shadow",
     }
 )
 # request attribute -> send_task option, for the workflow a job belongs to

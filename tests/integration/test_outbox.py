@@ -511,3 +511,18 @@ def test_plain_callback__broker_down_at_the_commit__sent_by_the_reclaimer_once(
     assert list(body[0]) == ["d@1"]
     assert pending(lease_db) == []  # sent: ended, never sent again
     assert resend_pending(app, using=lease_db) == []
+
+
+def test_sent_again__with_its_custom_headers_and_shadow_name(
+    broker: Broker, lease_db: str
+) -> None:
+    result = broker.app.signature("seams.step", ("h",)).apply_async(
+        headers={"trace_id": "t-42"}, shadow="seams.step[report]"
+    )
+    make_due(lease_db)
+    assert [o.action for o in resend_pending(broker.app)] == ["resent"]
+    original, resent = broker.sent("seams.step")
+    for headers, _body in (original, resent):
+        assert headers["id"] == result.id
+        assert headers["trace_id"] == "t-42"
+        assert headers["shadow"] == "seams.step[report]"
