@@ -147,8 +147,21 @@ class PostgreSQL(SQLDialect):
         the same job recorded without the key), take the portable path."""
         if pending.same_job:
             return super().record_unique_pending(pending)
-        values, params = self._pending_insert(pending, unique=True)
-        ended = self._ended_sql(pending.unique)
+        eta, relative_expiry = pending.eta, isinstance(pending.expires, int | float)
+        values = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
+                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
+                    unique_key, unique_until, started_token, plain)
+                VALUES (%s, %s, %s, %s, {self.NOW},
+                        {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
+                        {self.expiry("%s") if relative_expiry else "%s"},
+                        {"%s" if eta is not None else self.expiry("%s")},
+                        0, %s, NULL, '', %s, %s, NULL, %s)"""
+        params = self._pending_params(pending, unique=True)
+        ended = (
+            self._ended_sql_until_done()
+            if pending.unique == "until_done"
+            else self._ended_sql_until_started()
+        )
         for _attempt in range(8):
             rows = self._fetch(
                 f"""WITH ins AS ({values} ON CONFLICT DO NOTHING RETURNING task_id, key),
@@ -183,23 +196,26 @@ class PostgreSQL(SQLDialect):
             )
         return super().record_unique_pending(pending)
 
-    def _ended_sql(self, unique: str | None) -> str:
-        """Whether pending row ``p`` no longer stands for a copy (see
+    def _ended_sql_until_done(self) -> str:
+        """Whether pending row ``p`` no longer stands for an ``until_done`` copy (see
         :meth:`PortableOperations._ended_copies`): abandoned, expired before it started,
-        or started under a grant that has ended (``until_done``; any start ends an
-        ``until_started`` copy)."""
-        started_ended = (
-            f"""EXISTS (SELECT 1 FROM {LEASE} l WHERE l.key = p.key
+        or started under a grant that has ended (a newer grant, a release, an expiry)."""
+        return f"""(p.abandoned_at IS NOT NULL
+                    OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
+                    OR (p.started_token IS NOT NULL AND EXISTS (
+                        SELECT 1 FROM {LEASE} l WHERE l.key = p.key
                         AND (l.token > p.started_token
                              OR (l.token = p.started_token
                                  AND (l.released_at IS NOT NULL
-                                      OR l.expires_at <= statement_timestamp()))))"""
-            if unique == "until_done"
-            else "TRUE"
-        )
-        return f"""(p.abandoned_at IS NOT NULL
+                                      OR l.expires_at <= statement_timestamp()))))))"""
+
+    @staticmethod
+    def _ended_sql_until_started() -> str:
+        """Whether pending row ``p`` no longer stands for an ``until_started`` copy:
+        abandoned, expired before it started, or started (any start ends it)."""
+        return """(p.abandoned_at IS NOT NULL
                     OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
-                    OR (p.started_token IS NOT NULL AND {started_ended}))"""
+                    OR p.started_token IS NOT NULL)"""
 
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str

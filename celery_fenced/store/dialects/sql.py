@@ -42,7 +42,16 @@ class SQLDialect(PortableOperations):
         plus the countdown) plus ``resend_after``; a re-publish of the task id (a retry)
         starts the row afresh.
         """
-        values, params = self._pending_insert(pending, unique=False)
+        eta, relative_expiry = pending.eta, isinstance(pending.expires, int | float)
+        values = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
+                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
+                    unique_key, unique_until, started_token, plain)
+                VALUES (%s, %s, %s, %s, {self.NOW},
+                        {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
+                        {self.expiry("%s") if relative_expiry else "%s"},
+                        {"%s" if eta is not None else self.expiry("%s")},
+                        0, %s, NULL, '', NULL, '', NULL, %s)"""
+        params = self._pending_params(pending, unique=False)
         self._fetch(
             f"""{values}
                 ON CONFLICT (task_id) DO UPDATE SET {self._pending_reset()},
@@ -52,24 +61,15 @@ class SQLDialect(PortableOperations):
             params,
         )
 
-    def _pending_insert(self, pending: Pending, *, unique: bool) -> tuple[str, list[Any]]:
-        """The ``INSERT … VALUES`` of ``pending``'s row and its parameters; ``unique``:
-        with its key in ``unique_key`` (``lease_unique``)."""
+    def _pending_params(self, pending: Pending, *, unique: bool) -> list[Any]:
+        """The parameters of a pending row's ``INSERT … VALUES``; ``unique``: with its key
+        in ``unique_key`` and its mode (``lease_unique``)."""
         adapt = self.connection.ops.adapt_datetimefield_value
         expires, eta = pending.expires, pending.eta
-        relative_expiry = isinstance(expires, int | float)
         expiry_param = (
             self.ttl_param(expires) if isinstance(expires, int | float) else adapt(expires)
         )
-        sql = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
-                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
-                    unique_key, unique_until, started_token, plain)
-                VALUES (%s, %s, %s, %s, {self.NOW},
-                        {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
-                        {self.expiry("%s") if relative_expiry else "%s"},
-                        {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', {"%s, %s" if unique else "NULL, ''"}, NULL, %s)"""
-        params = [
+        return [
             pending.task_id,
             pending.task_name[:255],
             pending.key,
@@ -87,7 +87,6 @@ class SQLDialect(PortableOperations):
             *([pending.key, pending.unique or ""] if unique else []),
             pending.plain,
         ]
-        return sql, params
 
     @staticmethod
     def _pending_reset() -> str:
