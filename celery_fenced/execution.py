@@ -340,6 +340,7 @@ class FencedExecution:
                 job=job,
                 delivery=delivery,
                 ends_pending=options.outbox and bool(task_id),
+                stamps_started=options.unique == "until_done",
             )
         except AlreadyCompleted:
             store.record_duplicate(

@@ -41,6 +41,7 @@ def acquire(
     delivery: Delivery | None = None,
     connection: BaseDatabaseWrapper | None = None,
     ends_pending: bool = False,
+    stamps_started: bool = False,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -58,7 +59,9 @@ def acquire(
 
     ``connection``: the connection to send the grant on (default: Django's for the alias).
     ``ends_pending``: the grant, a busy key or a completed duplicate ends ``task_id``'s
-    pending row (:mod:`celery_fenced.store.outbox`), in the granting statement.
+    pending row (:mod:`celery_fenced.store.outbox`), in the granting statement;
+    ``stamps_started`` (a ``lease_unique="until_done"`` task): the grant keeps the row,
+    stamped with its token, instead.
     """
     key = validate_key(key)
     seconds = validate_ttl(ttl)
@@ -81,6 +84,7 @@ def acquire(
                 window,
                 routine,
                 ends_pending and bool(task_id),
+                stamps_started,
             )
         )
     if isinstance(outcome, Completed):

@@ -417,3 +417,19 @@ def test_group_with_two_copies__every_member_result_completes(
         deliver(app, message)
     sent = {h["id"] for h, _ in broker.sent("seams.keyed")}
     assert {child.id for child in result.results} <= sent
+
+
+def test_until_done_no_longer_configured__the_grant_ends_the_row(
+    broker: Broker, lease_db: str
+) -> None:
+    """A row recorded as until_done by a publisher whose configuration has since changed
+    (the worker's task is no longer unique) is ended by the grant, not left for good."""
+    task = broker.app.tasks["seams.keyed"]
+    task.lease_unique = "until_done"
+    try:
+        first = publish(broker, 7)
+    finally:
+        task.lease_unique = None
+    deliver(broker.app, broker.one("seams.keyed"))
+    assert status(lease_db, first)[0] == states.SUCCESS
+    assert pending(lease_db) == []

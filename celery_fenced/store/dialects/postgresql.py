@@ -257,14 +257,22 @@ class PostgreSQL(SQLDialect):
         :meth:`_end_pending_params`).
 
         ``granted``: only if the statement's ``granted`` CTE granted — the job is then
-        pending or granted, never neither; an ``until_done`` row (``lease_unique``) is
-        kept, stamped with the grant's token: it stands for the running copy until that
-        grant ends. A busy key ends it unconditionally: the job is skipped, failed, or
-        retried (and recorded again by its retry).
+        pending or granted, never neither; the row is deleted whatever it says (one of a
+        ``lease_unique`` configuration since changed is not left for good). A busy key
+        ends a row that has not started: the job is skipped, failed, or retried (and
+        recorded again by its retry); a started row is the running copy's.
         """
-        if not granted:  # a started row is the running copy's (this is a redelivery)
+        if not granted:
             return f""",
                 pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND started_token IS NULL)"""
+        return f""",
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s
+                         AND EXISTS (SELECT 1 FROM granted))"""
+
+    def _end_pending_stamping(self) -> str:
+        """:meth:`_end_pending` of a granted ``lease_unique="until_done"`` task: its row
+        is kept, stamped with the grant's token — it stands for the running copy until
+        that grant ends (two parameters: the task id twice)."""
         return f""",
                 pend AS (DELETE FROM {PENDING} WHERE task_id = %s
                          AND unique_until <> 'until_done' AND EXISTS (SELECT 1 FROM granted)),
@@ -276,7 +284,7 @@ class PostgreSQL(SQLDialect):
     def _end_pending_params(request: GrantRequest, *, granted: bool) -> list[Any]:
         if not request.ends_pending:
             return []
-        return [request.task_id] * (2 if granted else 1)
+        return [request.task_id] * (2 if granted and request.stamps_started else 1)
 
     def _routine_grant(self, request: GrantRequest) -> Grant | None:
         """The grant of a new or released key: the upsert alone, without the takeover's event.
@@ -297,7 +305,11 @@ class PostgreSQL(SQLDialect):
             rows = self._grant_with_event(grant, params, request)
         elif request.ends_pending:
             rows = self._fetch(
-                f"""WITH granted AS ({grant}){self._end_pending(granted=True)}
+                f"""WITH granted AS ({grant}){
+                    self._end_pending_stamping()
+                    if request.stamps_started
+                    else self._end_pending(granted=True)
+                }
                     SELECT id, token, expires_at, reclaimed_from, completed_digest
                     FROM granted""",
                 [*params, *self._end_pending_params(request, granted=True)],
@@ -385,7 +397,13 @@ class PostgreSQL(SQLDialect):
                                'previous_acquired_at',
                                (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
                     FROM granted WHERE reclaimed_from <> '' OR %s){
-                self._end_pending(granted=True) if request.ends_pending else ""
+                (
+                    self._end_pending_stamping()
+                    if request.stamps_started
+                    else self._end_pending(granted=True)
+                )
+                if request.ends_pending
+                else ""
             }
                 SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
             [

@@ -143,6 +143,8 @@ class GrantRequest:
     routine_events: bool = False
     #: the grant (or a busy key) ends the task id's pending row (the outbox)
     ends_pending: bool = False
+    #: the task is ``lease_unique="until_done"``: the grant stamps its row instead
+    stamps_started: bool = False
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,9 @@ class PortableOperations(Dialect):
         """The grant (:meth:`_grant_in_transaction`) and the end of the job's pending row,
         in one transaction."""
         with transaction.atomic(using=self.alias):
-            settled = not request.ends_pending or self._pending_before_grant(request.task_id)
+            settled = not request.ends_pending or self._pending_before_grant(
+                request.task_id, keep_until_done=request.stamps_started
+            )
             outcome = self._grant_in_transaction(request)
             if not settled:
                 granted = outcome.token if isinstance(outcome, Grant) else None
@@ -186,16 +188,16 @@ class PortableOperations(Dialect):
     def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
         raise NotImplementedError
 
-    def _pending_before_grant(self, task_id: str) -> bool:
+    def _pending_before_grant(self, task_id: str, *, keep_until_done: bool) -> bool:
         """A delivery is granted, busy or a duplicate: its job is no longer pending —
-        except an ``until_done`` row, which :meth:`_pending_after_grant` settles.
-        Returns whether the job's row was ended here (then there is no other)."""
-        deleted, _ = (
-            PendingJob._default_manager.using(self.alias)
-            .filter(task_id=task_id)
-            .exclude(unique_until="until_done")
-            .delete()
-        )
+        except, for a ``lease_unique="until_done"`` task (``keep_until_done``), its
+        ``until_done`` row, which :meth:`_pending_after_grant` settles. Returns whether
+        nothing is left to settle."""
+        rows = PendingJob._default_manager.using(self.alias).filter(task_id=task_id)
+        if not keep_until_done:
+            rows.delete()
+            return True
+        deleted, _ = rows.exclude(unique_until="until_done").delete()
         return bool(deleted)
 
     def _pending_after_grant(self, task_id: str, token: int | None) -> None:
