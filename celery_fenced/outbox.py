@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connections, transaction
 from django.utils import timezone
+from kombu import serialization
 from kombu.exceptions import OperationalError
 
 from celery_fenced import keys, outages, reclaim, signals
@@ -137,29 +138,15 @@ def _record_plain(
 ) -> Any:
     from celery.utils import uuid
 
-    from celery_fenced import conf, store
+    from celery_fenced import store
 
     task_id = options.pop("task_id", None) or uuid()
     to_parent = options.pop("add_to_parent", True)
     args, kwargs = list(args or ()), dict(kwargs or {})
-    expires = _expiry(options.get("expires"))
-    job = _encoded(_Named(app, name), args, kwargs, task_id, options, expires)
-    if job is None:  # JSON cannot carry it: sent now, as Celery sends it
+    pending = _row(app, name, args, kwargs, task_id, options, plain=True)
+    if pending is None:  # JSON cannot carry it: sent now, as Celery sends it
         return original(name, args, kwargs, task_id=task_id, add_to_parent=to_parent, **options)
-    store.record_pending(
-        alias,
-        store.Pending(
-            task_id=task_id,
-            task_name=name,
-            key="",
-            job=job,
-            countdown=_seconds(options.get("countdown")),
-            eta=_moment(options.get("eta")),
-            expires=expires,
-            resend_after=conf.load(app).outbox_resend_after,
-            plain=True,
-        ),
-    )
+    store.record_pending(alias, pending)
     # what the caller lent (a group's producer) is back in its pool by the commit
     kept = {k: v for k, v in options.items() if k not in ("producer", "result_cls")}
 
@@ -222,14 +209,6 @@ def _sent_or_marked_unsent(
             logger.info("could not mark %s unsent", task_id, exc_info=True)
         return False
     return True
-
-
-@dataclass(frozen=True)
-class _Named:
-    """A plain task, by name, where :func:`_encoded` wants a task (its name and app)."""
-
-    app: Any
-    name: str
 
 
 if TYPE_CHECKING:
@@ -296,32 +275,51 @@ def _pending(
     kwargs: Mapping[str, Any] | None,
     task_id: str,
     options: Mapping[str, Any],
-    *,
-    same_job: bool = False,
 ) -> store.Pending | None:
-    """The outbox row of a publish, or None when JSON cannot carry its job."""
-    from celery_fenced import conf, store
-
-    settings = conf.load(task.app)
+    """The outbox row of a fenced task's publish, or None when JSON cannot carry its job."""
     args, kwargs = list(args or ()), dict(kwargs or {})
-    expires = _expiry(options.get("expires"))
-    job = _encoded(task, args, kwargs, task_id, options, expires)
-    if job is None:
-        return None
-    return store.Pending(
-        task_id=task_id,
-        task_name=task.name,
+    return _row(
+        task.app,
+        task.name,
+        args,
+        kwargs,
+        task_id,
+        options,
         key=_key(task, args, kwargs),
-        job=job,
-        countdown=_seconds(options.get("countdown")),
-        eta=_moment(options.get("eta")),
-        expires=expires,
-        resend_after=settings.outbox_resend_after,
         unique=task.fenced_options().unique,
         # a retry is the same job; a call that carries a workflow (a chain's next steps,
         # callbacks, a chord or group it belongs to, a frozen id its caller holds) must
         # be sent: refused, its workflow would wait forever. Both take the key if free.
-        same_job=same_job or _same_job.get(False) or _in_workflow(options),
+        same_job=_same_job.get(False) or _in_workflow(options),
+    )
+
+
+def _row(
+    app: Any,
+    name: str,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: Mapping[str, Any],
+    **fields: Any,
+) -> store.Pending | None:
+    """The outbox row of a publish of task ``name`` (``fields``: the row's key,
+    uniqueness, ...), or None when JSON cannot carry its job."""
+    from celery_fenced import conf, store
+
+    expires = _expiry(options.get("expires"))
+    job = _encoded(app, name, args, kwargs, task_id, options, expires)
+    if job is None:
+        return None
+    return store.Pending(
+        task_id=task_id,
+        task_name=name,
+        job=job,
+        countdown=_seconds(options.get("countdown")),
+        eta=_moment(options.get("eta")),
+        expires=expires,
+        resend_after=conf.load(app).outbox_resend_after,
+        **{"key": "", **fields},
     )
 
 
@@ -366,7 +364,8 @@ def _in_workflow(options: Mapping[str, Any]) -> bool:
 
 
 def _encoded(
-    task: Any,
+    app: Any,
+    name: str,
     args: list[Any],
     kwargs: dict[str, Any],
     task_id: str,
@@ -375,9 +374,9 @@ def _encoded(
 ) -> str | None:
     """The job as the reclaimer sends it again, or None when JSON cannot carry it."""
     kept = {
-        name: value
-        for name, value in options.items()
-        if name in reclaim.OPTION_NAMES and value is not None and name != "expires"
+        option: value
+        for option, value in options.items()
+        if option in reclaim.OPTION_NAMES and value is not None and option != "expires"
     }
     if "headers" in kept:  # a retry carries its request's: only what JSON can carry
         kept["headers"] = _portable_headers(kept["headers"])
@@ -387,14 +386,14 @@ def _encoded(
         kept["expires"] = (
             expires
             if isinstance(expires, dt.datetime)
-            else task.app.now() + dt.timedelta(seconds=expires)
+            else app.now() + dt.timedelta(seconds=expires)
         ).isoformat()
     try:
-        return reclaim.encode_job(reclaim.Job(task.name, args, kwargs, kept))
+        return reclaim.encode_job(reclaim.Job(name, args, kwargs, kept))
     except Exception as exc:
         logger.warning(
             "task %s[%s]: its job cannot be recorded as JSON (%s); sent without the outbox",
-            task.name,
+            name,
             task_id,
             exc,
             extra={"task_id": task_id},
@@ -403,8 +402,9 @@ def _encoded(
 
 
 def _portable_headers(headers: Any) -> dict[str, Any]:
-    """The custom message headers a re-sending can carry: string keys, JSON values; none
-    of a process's own (``_``-prefixed) attributes."""
+    """The custom message headers a re-sending can carry: string keys, values kombu's
+    ``json`` serializer can write (as the job's); none of a process's own
+    (``_``-prefixed) attributes."""
     if not isinstance(headers, Mapping):
         return {}
     kept = {}
@@ -412,7 +412,7 @@ def _portable_headers(headers: Any) -> dict[str, Any]:
         if not isinstance(name, str) or name.startswith("_"):
             continue
         try:
-            reclaim.encode_job(reclaim.Job("h", [], {}, {"headers": {name: value}}))
+            serialization.dumps(value, serializer="json")
         except Exception:
             continue
         kept[name] = value

@@ -165,17 +165,8 @@ class PostgreSQL(SQLDialect):
         for _attempt in range(8):
             rows = self._fetch(
                 f"""WITH ins AS ({values} ON CONFLICT DO NOTHING RETURNING task_id, key),
-                    head AS (
-                        INSERT INTO {LEASE} (key, token, owner, task_id, task_name,
-                                             acquired_at, renewed_at, expires_at, released_at,
-                                             reclaimed_from, job, reclaim_attempts,
-                                             reclaim_state, reclaim_claimed_at,
-                                             completed_digest, release_state)
-                        SELECT key, 0, '', '', %s, statement_timestamp(),
-                               statement_timestamp(), statement_timestamp(),
-                               statement_timestamp(), '', NULL, 0, '', NULL, '', ''
-                        FROM ins
-                        ON CONFLICT (key) DO NOTHING)
+                    head AS ({self._never_granted("key")} FROM ins
+                             ON CONFLICT (key) DO NOTHING)
                     SELECT task_id FROM ins""",
                 [*params, pending.task_name[:255]],
             )
@@ -195,6 +186,19 @@ class PostgreSQL(SQLDialect):
                 [pending.key],
             )
         return super().record_unique_pending(pending)
+
+    @staticmethod
+    def _never_granted(key_sql: str) -> str:
+        """``INSERT … SELECT`` of a key's lease row before any grant (token 0, released);
+        ``key_sql``: the key's SQL (a parameter or a column); then the task name's
+        parameter."""
+        return f"""INSERT INTO {LEASE} (key, token, owner, task_id, task_name, acquired_at,
+                                   renewed_at, expires_at, released_at, reclaimed_from, job,
+                                   reclaim_attempts, reclaim_state, reclaim_claimed_at,
+                                   completed_digest, release_state)
+                   SELECT {key_sql}, 0, '', '', %s, statement_timestamp(),
+                          statement_timestamp(), statement_timestamp(),
+                          statement_timestamp(), '', NULL, 0, '', NULL, '', ''"""
 
     def _ended_sql_until_done(self) -> str:
         """Whether pending row ``p`` no longer stands for an ``until_done`` copy (see
@@ -223,14 +227,7 @@ class PostgreSQL(SQLDialect):
         """The ``deduplicated`` event in one statement, the key's row created (token 0:
         never granted) when its first copy has not started yet."""
         rows = self._fetch(
-            f"""WITH made AS (
-                    INSERT INTO {LEASE} (key, token, owner, task_id, task_name, acquired_at,
-                                         renewed_at, expires_at, released_at, reclaimed_from,
-                                         job, reclaim_attempts, reclaim_state,
-                                         reclaim_claimed_at, completed_digest, release_state)
-                    VALUES (%s, 0, '', '', %s, statement_timestamp(), statement_timestamp(),
-                            statement_timestamp(), statement_timestamp(), '', NULL, 0, '',
-                            NULL, '', '')
+            f"""WITH made AS ({self._never_granted("%s")}
                     ON CONFLICT (key) DO NOTHING
                     RETURNING id, token, owner),
                 row AS (

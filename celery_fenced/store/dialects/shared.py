@@ -158,7 +158,6 @@ class PortableOperations(Dialect):
                         expires_at=Now(),
                         released_at=Now(),
                     )
-                    lease.token, lease.owner = 0, ""
             except IntegrityError:
                 lease = leases.get(key=key)
             self._event(
