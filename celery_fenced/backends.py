@@ -429,6 +429,9 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 # chain's remaining steps, the chord, the errbacks), so that a caller
                 # waiting on it gets the error rather than waiting for ever.
                 workflow.restore_successors(request)
+                # its job, handed to the outbox when the other job took its key over,
+                # is not sent again: this is its outcome
+                store.forget_pending(lease.alias, task_id)
                 request._fenced_lease = None  # the row is written as checked, untokened
                 try:
                     DatabaseBackend.mark_as_failure(self, task_id, stale, None, request)

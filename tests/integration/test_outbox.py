@@ -22,7 +22,7 @@ from celery_fenced.hooks import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from tests.conftest import DATABASE_ALIASES
-from tests.integration.test_seams import Broker, deliver, status
+from tests.integration.test_seams import Broker, Execution, deliver, expire, granted, status
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
@@ -526,3 +526,93 @@ def test_sent_again__with_its_custom_headers_and_shadow_name(
         assert headers["id"] == result.id
         assert headers["trace_id"] == "t-42"
         assert headers["shadow"] == "seams.step[report]"
+
+
+def _taken_over(broker: Broker, alias: str, value: str) -> tuple[Execution, Execution]:
+    """Job A is granted (its job recorded on the lease row: the default key) and held, its
+    grant expires; another job of the same call, B, takes the key over."""
+    app = broker.app
+    app.signature("seams.step", (value,)).apply_async(task_id=f"a-{value}")
+    a = Execution(app, broker.one("seams.step"), "A")
+    lease = granted(alias, f"a-{value}", 1)
+    assert reclaim.decode_job(lease.job or "").args == [value]
+    expire(alias, lease)
+    app.signature("seams.step", (value,)).apply_async(task_id=f"b-{value}")
+    b = Execution(app, broker.sent("seams.step")[1], "B")
+    granted(alias, f"b-{value}", 2)
+    return a, b
+
+
+def test_another_job_takes_an_expired_grant_over__the_displaced_job_is_sent_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """A's worker died and the broker lost A's message: the lease row recorded A's job for
+    the reclaimer, and B's grant replaced it. The grant hands A's job to the outbox in the
+    same statement (transaction), due at once; re-sent, A runs once B is done."""
+    a, b = _taken_over(broker, lease_db, "v")
+    (row,) = pending(lease_db)
+    job = reclaim.decode_job(row.job)
+    assert (row.task_id, row.task_name, job.task, job.args) == (
+        "a-v",
+        "seams.step",
+        "seams.step",
+        ["v"],
+    )
+    assert row.key == Lease.objects.using(lease_db).get().key
+    assert row.resend_at <= row.published_at  # due at once
+    b.finish()
+    assert status(lease_db, "b-v") == (states.SUCCESS, '"v@2"')
+    assert [(o.task_id, o.action) for o in resend_pending(broker.app)] == [("a-v", "resent")]
+    resent = broker.sent("seams.step")[-1]
+    assert resent[0]["id"] == "a-v"
+    deliver(broker.app, resent)
+    assert status(lease_db, "a-v") == (states.SUCCESS, '"v@3"')
+    assert pending(lease_db) == []
+    a.finish()  # the first execution was only paused after all: it changes nothing
+    assert status(lease_db, "a-v") == (states.SUCCESS, '"v@3"')
+    assert resend_pending(broker.app) == []
+
+
+def test_displaced_job_woken_before_its_sending__its_stale_token_failure_ends_it(
+    broker: Broker, lease_db: str
+) -> None:
+    """A was only paused and reports first: its outcome is FAILURE(StaleToken) (R2), and
+    its job, handed to the outbox by B's grant, is not sent again."""
+    a, b = _taken_over(broker, lease_db, "w")
+    assert [row.task_id for row in pending(lease_db)] == ["a-w"]
+    a.finish()
+    row_status, result = status(lease_db, "a-w")
+    assert (row_status, "StaleToken" in result) == (states.FAILURE, True)
+    assert pending(lease_db) == []
+    assert resend_pending(broker.app) == []
+    b.finish()
+    assert status(lease_db, "b-w") == (states.SUCCESS, '"w@2"')
+
+
+def test_same_job_takes_its_expired_grant_over__nothing_handed_to_the_outbox(
+    broker: Broker, lease_db: str
+) -> None:
+    """A redelivery of A's own message takes its grant over: the lease row records the same
+    job, and the reclaimer's bookkeeping stays there."""
+    broker.app.signature("seams.step", ("s",)).apply_async(task_id="a-s")
+    message = broker.one("seams.step")
+    a = Execution(broker.app, message, "A")
+    expire(lease_db, granted(lease_db, "a-s", 1))
+    b = Execution(broker.app, message, "B")
+    granted(lease_db, "a-s", 2)
+    assert pending(lease_db) == []
+    b.finish()
+    a.finish()
+    assert status(lease_db, "a-s") == (states.SUCCESS, '"s@2"')
+
+
+def test_abandoned_job_taken_over__stays_abandoned(broker: Broker, lease_db: str) -> None:
+    """A job the reclaimer gave up on (``fenced_reclaim_max``) is not revived by a takeover."""
+    broker.app.signature("seams.step", ("x",)).apply_async(task_id="a-x")
+    a = Execution(broker.app, broker.one("seams.step"), "A")
+    lease = granted(lease_db, "a-x", 1)
+    expire(lease_db, lease)
+    Lease.objects.using(lease_db).filter(pk=lease.pk).update(reclaim_state="abandoned")
+    acquire(lease.key, ttl=30, task_id="b-x", using=lease_db)
+    assert pending(lease_db) == []
+    a.finish()

@@ -15,13 +15,15 @@ import pytest
 from celery import Celery
 from django.db import connections
 from django.db.models import F
+from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 from kombu import Exchange, Queue
 
 from celery_fenced import acquire
 from celery_fenced import conf as fenced_conf
 from celery_fenced.exceptions import FencedConfigurationError
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
+from celery_fenced.outbox import resend_pending
 from celery_fenced.reclaim import Job, decode_job, encode_job, job_for, reclaim_expired
 from celery_fenced.store import dialects
 from tests.conftest import DATABASE_ALIASES
@@ -203,6 +205,75 @@ def test_reclaim__a_grant_for_another_task_id_resets_the_attempts(
     lease = row(alias)
     assert (lease.task_id, lease.reclaim_attempts, lease.reclaim_state) == ("t2", 0, "")
     assert lease.reclaim_claimed_at is None
+
+
+@db
+def test_takeover_by_another_task_id__hands_the_displaced_job_to_the_outbox(
+    alias: str, dialect: str
+) -> None:
+    """Its lease row's recorded job is replaced by the new grant's: the displaced one
+    goes to the outbox, due at once, with its reclaim count; sent, it is t1's job."""
+    grant(alias, args=[3])
+    app, sent = recording_app()
+    reclaim_expired(app, grace=0, using=alias)  # sent once already: 1 attempt
+    grant(alias, task_id="t2", expired=False)
+    (row,) = PendingJob.objects.using(alias).all()
+    assert (row.task_id, row.task_name, row.key, row.sends) == ("t1", TASK, "k", 1)
+    assert decode_job(row.job) == decode_job(encode_job(Job(TASK, [3], {"x": 1}, {})))
+    assert row.resend_at <= row.published_at
+    assert (row.unique_key, row.started_token, row.plain, row.abandoned_at) == (
+        None,
+        None,
+        False,
+        None,
+    )
+    assert [(o.task_id, o.action) for o in resend_pending(app, using=alias)] == [("t1", "resent")]
+    assert [(m["name"], m["task_id"], m["args"]) for m in sent] == [(TASK, "t1", [3])] * 2
+
+
+@db
+def test_takeover_by_another_task_id__nothing_handed_over_when_nothing_was_lost(
+    alias: str, dialect: str
+) -> None:
+    """A released grant, a grant without a recorded job, the same task id again, an
+    abandoned job: the outbox gets nothing."""
+    grant(alias, "released", expired=False)
+    Lease.objects.using(alias).filter(key="released").update(released_at=F("acquired_at"))
+    grant(alias, "released", task_id="t2")
+    acquire("no-job", ttl=30, task_id="t1", using=alias)
+    expire(alias, "no-job")
+    acquire("no-job", ttl=30, task_id="t2", using=alias)
+    grant(alias, "same")
+    grant(alias, "same", expired=False)
+    grant(alias, "abandoned")
+    Lease.objects.using(alias).filter(key="abandoned").update(reclaim_state="abandoned")
+    grant(alias, "abandoned", task_id="t2")
+    assert list(PendingJob.objects.using(alias).all()) == []
+
+
+@db
+def test_takeover_by_another_task_id__a_stamped_until_done_row_stands_again(
+    alias: str, dialect: str
+) -> None:
+    """A ``lease_unique="until_done"`` job's row is kept while its grant runs (stamped
+    with its token): taken over, the row is due at once, not started any more."""
+    lease = grant(alias)
+    started = row(alias).acquired_at
+    PendingJob.objects.using(alias).create(
+        task_id="t1",
+        task_name=TASK,
+        key="k",
+        job=encode_job(Job(TASK, [7], {"x": 1}, {})),
+        published_at=started,
+        resend_at=started + dt.timedelta(hours=1),
+        unique_key="k",
+        unique_until="until_done",
+        started_token=lease.token,
+    )
+    grant(alias, task_id="t2", expired=False)
+    (standing,) = PendingJob.objects.using(alias).all()
+    assert (standing.task_id, standing.unique_key, standing.started_token) == ("t1", "k", None)
+    assert PendingJob.objects.using(alias).filter(resend_at__lte=Now()).count() == 1  # due
 
 
 @db

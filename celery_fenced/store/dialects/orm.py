@@ -15,6 +15,7 @@ from celery_fenced.store.dialects.records import (
     Claim,
     Completed,
     Delivery,
+    Displaced,
     Ending,
     Grant,
     GrantRequest,
@@ -80,6 +81,15 @@ class ORMDialect(PortableOperations):
             else:
                 reclaimed_from = row.owner if row.released_at is None else ""
                 previous_start = row.acquired_at
+                displaced = Displaced(
+                    row.key,
+                    row.task_id,
+                    row.task_name,
+                    row.job,
+                    row.released_at is not None,
+                    row.reclaim_state,
+                    row.reclaim_attempts,
+                )
                 # a re-delivery of the same unfinished task keeps its reclaim count
                 same_job = (
                     row.released_at is None
@@ -104,6 +114,7 @@ class ORMDialect(PortableOperations):
                 )
                 row.refresh_from_db(fields=["token"])
             if reclaimed_from:
+                self._requeue_displaced(displaced, request.task_id)
                 detail = {
                     "previous_owner": reclaimed_from,
                     "previous_token": row.token - 1,

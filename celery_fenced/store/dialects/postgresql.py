@@ -113,7 +113,8 @@ class PostgreSQL(SQLDialect):
             return granted
         unless_completed, params = self._grant_params(request)
         grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
-        rows = self._grant_with_event(grant, params, request)  # a takeover is always recorded
+        # a takeover is always recorded, and the job it displaces handed to the outbox
+        rows = self._grant_with_event(grant, params, request, takeover=True)
         if rows:
             return _grant(rows[0])
         # not granted (rare): a completed duplicate, or the key is held
@@ -373,12 +374,14 @@ class PostgreSQL(SQLDialect):
         return False, self._current_token(ending.key)
 
     def _grant_with_event(
-        self, grant: str, params: list[Any], request: GrantRequest
+        self, grant: str, params: list[Any], request: GrantRequest, *, takeover: bool = False
     ) -> list[tuple[Any, ...]]:
         """``grant`` (an upsert of :meth:`_upsert`) with its event in the same statement.
 
         A takeover's ``reclaimed`` event always, an ``acquired`` one with routine events.
         The previous grant's start is read from the statement's snapshot: the row before it.
+        ``takeover``: ``grant`` may take over an expired grant; another job's, unfinished,
+        then goes to the outbox in the same statement (:meth:`_displaced`).
         """
         return self._fetch(
             f"""WITH granted AS ({grant}),
@@ -394,6 +397,8 @@ class PostgreSQL(SQLDialect):
                                'previous_acquired_at',
                                (SELECT p.acquired_at FROM {LEASE} p WHERE p.key = %s)) END
                     FROM granted WHERE reclaimed_from <> '' OR %s){
+                self._displaced() if takeover else ""
+            }{
                 (
                     self._end_pending_stamping()
                     if request.stamps_started
@@ -409,9 +414,38 @@ class PostgreSQL(SQLDialect):
                 request.owner,
                 request.key,
                 request.routine_events,
+                *([request.key, request.task_id] if takeover else []),
                 *self._end_pending_params(request, granted=True),
             ],
         )
+
+    @staticmethod
+    def _displaced() -> str:
+        """A CTE handing the job of the grant taken over to the outbox, due at once, when
+        it is another job's (parameters: the key, the new grant's task id).
+
+        That grant expired unfinished, and its lease row's recorded job — what the
+        reclaimer would send again — is replaced by the new grant's: without this, a job
+        whose worker died and whose message the broker lost too would be lost. Its
+        reclaim count goes with it (``sends``); a job already abandoned stays so. An
+        ``until_done`` row stamped with that grant stands for it again, due at once. The
+        row before the grant is read from the statement's snapshot.
+        """
+        return f""",
+                displaced AS (
+                    INSERT INTO {PENDING} AS q (task_id, task_name, key, job, published_at,
+                        eta, expires_at, resend_at, sends, unsent, abandoned_at,
+                        abandoned_reason, unique_key, unique_until, started_token, plain)
+                    SELECT p.task_id, p.task_name, p.key, p.job, statement_timestamp(), NULL,
+                           NULL, statement_timestamp(), p.reclaim_attempts, false, NULL, '',
+                           NULL, '', NULL, false
+                    FROM {LEASE} p, granted g
+                    WHERE p.key = %s AND g.reclaimed_from <> '' AND p.released_at IS NULL
+                      AND p.job IS NOT NULL AND p.task_id NOT IN ('', %s)
+                      AND p.reclaim_state <> {SQL_STATE_ABANDONED}
+                    ON CONFLICT (task_id) DO UPDATE
+                        SET started_token = NULL, resend_at = statement_timestamp()
+                        WHERE q.started_token IS NOT NULL)"""
 
     RELEASES_WITH_RESULT = True
 

@@ -124,6 +124,19 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class Displaced:
+    """The grant a takeover replaces, as its lease row held it before."""
+
+    key: str
+    task_id: str
+    task_name: str
+    job: str | None
+    released: bool
+    reclaim_state: str
+    reclaim_attempts: int
+
+
+@dataclass(frozen=True)
 class GrantRequest:
     """What a grant asks for: the key, for how long, for whom, and the job behind it.
 

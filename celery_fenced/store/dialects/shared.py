@@ -14,6 +14,7 @@ from celery_fenced.store.dialects.base import Dialect
 from celery_fenced.store.dialects.records import (
     Claim,
     Completed,
+    Displaced,
     Grant,
     GrantRequest,
     Holder,
@@ -186,6 +187,39 @@ class PortableOperations(Dialect):
 
     def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
         raise NotImplementedError
+
+    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
+        """The job of an expired, unfinished grant taken over by another job goes to the
+        outbox, due at once (in the grant's transaction): its lease row's recorded job —
+        what the reclaimer would send again — is replaced by the new grant's. Its reclaim
+        count goes with it; a job already abandoned stays so; an ``until_done`` row
+        stamped with that grant stands for it again (PostgreSQL: ``_displaced``)."""
+        if (
+            previous.job is None
+            or previous.released
+            or previous.task_id in ("", by_task_id)
+            or previous.reclaim_state == ReclaimState.ABANDONED
+        ):
+            return
+        rows = PendingJob._default_manager.using(self.alias)
+        if rows.filter(task_id=previous.task_id).exists():
+            rows.filter(task_id=previous.task_id, started_token__isnull=False).update(
+                started_token=None, resend_at=Now()
+            )
+            return
+        try:
+            with transaction.atomic(using=self.alias):
+                rows.create(
+                    task_id=previous.task_id,
+                    task_name=previous.task_name,
+                    key=previous.key,
+                    job=previous.job,
+                    published_at=Now(),
+                    resend_at=Now(),
+                    sends=previous.reclaim_attempts,
+                )
+        except IntegrityError:  # recorded meanwhile by its own publish (a retry's)
+            pass
 
     def _pending_before_grant(self, task_id: str, *, keep_until_done: bool) -> bool:
         """A delivery is granted, busy or a duplicate: its job is no longer pending —

@@ -15,6 +15,7 @@ from celery_fenced.store.dialects.records import (
     RESULT,
     Claim,
     Completed,
+    Displaced,
     Ending,
     Grant,
     GrantRequest,
@@ -93,7 +94,10 @@ class SQLite(SQLDialect):
             # statement (a read's shared lock cannot always be upgraded: "database is
             # locked" at once, whatever the timeout)
             before = self._fetch(
-                f"UPDATE {LEASE} SET token = token WHERE key = %s RETURNING acquired_at", [key]
+                f"""UPDATE {LEASE} SET token = token WHERE key = %s
+                    RETURNING acquired_at, task_id, task_name, job, released_at,
+                              reclaim_state, reclaim_attempts""",
+                [key],
             )
             previous_start = aware(before[0][0]).isoformat() if before else None
             grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
@@ -101,6 +105,13 @@ class SQLite(SQLDialect):
             if rows:
                 lease_id, token, expires_at, reclaimed_from, marker = rows[0]
                 if reclaimed_from:
+                    _, was_task, name, job, released_at, state, attempts = before[0]
+                    self._requeue_displaced(
+                        Displaced(
+                            key, was_task, name, job, released_at is not None, state, attempts
+                        ),
+                        task_id,
+                    )
                     detail = {
                         "previous_owner": reclaimed_from,
                         "previous_token": token - 1,
