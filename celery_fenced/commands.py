@@ -68,7 +68,7 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
         return
     table = [
         (
-            r["key"],
+            _key_text(r),
             str(r["token"]),
             r["state"],
             r["owner"],
@@ -175,8 +175,10 @@ def show(io: IO, options: dict[str, Any]) -> None:
         for e in operations.events(lease)[:count]
     ]
     record = _record(lease)
+    held = [_record(row) for row in operations.permit_rows(lease)]
     if options.get("json"):
-        io.write(json.dumps({**record, "events": events}, indent=2))
+        extra = {"permit_rows": held} if record["permits"] else {}
+        io.write(json.dumps({**record, **extra, "events": events}, indent=2))
         return
     fields = [
         ("key", record["key"]),
@@ -196,6 +198,8 @@ def show(io: IO, options: dict[str, Any]) -> None:
     ]
     for name, value in fields:
         io.write(f"{name + ':':<16}{value}")
+    if record["permits"]:
+        _write_permits(io, record, held)
     io.write("")
     io.write(f"Recent events (newest first, {len(events)} shown):")
     table = [
@@ -203,6 +207,26 @@ def show(io: IO, options: dict[str, Any]) -> None:
         for e in events
     ]
     for line in _table(("AT", "KIND", "TOKEN", "OWNER", "TASK ID", "DETAIL"), table):
+        io.write(line)
+
+
+def _write_permits(io: IO, head: dict[str, Any], held: list[dict[str, Any]]) -> None:
+    from celery_fenced import operations
+
+    io.write("")
+    io.write(f"Permits (lease_limit: {head['permits']} at most):")
+    table = [
+        (
+            str(r["permit"]),
+            str(r["token"]),
+            r["state"],
+            r["owner"] or "-",
+            f"{r['task_name'] or '-'} [{r['task_id'] or '-'}]",
+            operations.describe_expiry(r["expires_in"]),
+        )
+        for r in held
+    ]
+    for line in _table(("PERMIT", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
         io.write(line)
 
 
@@ -310,10 +334,12 @@ class Progress:
 
 # -- helpers ---------------------------------------------------------------------------
 def _record(lease: Any) -> dict[str, Any]:
-    from celery_fenced import operations
+    from celery_fenced import operations, permits
 
     return {
         "key": lease.key,
+        "permit": permits.split(lease.key)[1],
+        "permits": lease.permits,
         "token": lease.token,
         "state": lease.state,
         "owner": lease.owner,
@@ -327,6 +353,15 @@ def _record(lease: Any) -> dict[str, Any]:
         "reclaimed_from": lease.reclaimed_from,
         "expires_in": operations.expires_in(lease),
     }
+
+
+def _key_text(record: dict[str, Any]) -> str:
+    """A key as people read it: a permit's as ``key (permit 2)``, a head's with its count."""
+    from celery_fenced import permits
+
+    if record["permits"]:
+        return f"{record['key']} ({record['permits']} permits)"
+    return permits.describe(record["key"])
 
 
 def _iso(value: dt.datetime | None) -> str | None:

@@ -21,7 +21,18 @@ from celery_fenced.exceptions import FencedConfigurationError
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
 #: what the audit trail records: the anomalies only, or every grant and release too
 EVENTS_CHOICES = ("anomalies", "all")
-TASK_OPTION_NAMES = ("ttl", "key", "on_busy", "renew_interval", "reclaim", "outbox", "unique")
+TASK_OPTION_NAMES = (
+    "ttl",
+    "key",
+    "on_busy",
+    "renew_interval",
+    "reclaim",
+    "outbox",
+    "unique",
+    "limit",
+)
+#: the most permits a key can have (``lease_limit``)
+MAX_LIMIT = 10_000
 #: ``lease_unique``: no second copy queued while one is waiting, or waiting or running
 UNIQUE_CHOICES = ("until_started", "until_done")
 #: task name prefixes a glob pattern never selects (an exact name still does)
@@ -103,6 +114,19 @@ def validate_unique(value: object, name: str) -> str | None:
     return None if value is None else str(value)
 
 
+def validate_limit(value: object, name: str) -> int | None:
+    """``None`` (one holder, the plain lease) or the number of permits: an int from 1 to
+    :data:`MAX_LIMIT`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise FencedConfigurationError(
+            f"{name} must be an integer from 1 to {MAX_LIMIT} (permits: holders of the key "
+            f"at once) or None (one holder), got {value!r}"
+        )
+    return value
+
+
 def validate_renew_interval(value: object, ttl: float, name: str) -> float:
     interval = validate_ttl(value, name)
     if interval >= ttl:
@@ -128,6 +152,9 @@ class TaskOptions:
     # no second copy of the job (same lease key) queued: "until_started" while one is
     # waiting, "until_done" while one is waiting or running; None: no such rule
     unique: str | None = None
+    # up to this many holders of the key at once, each with a permit of its own (a
+    # fencing token of the key's one sequence); None: one holder, the plain lease
+    limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.reclaim is None:
@@ -157,6 +184,8 @@ class FencedSettings:
     outbox: bool = True
     #: seconds past its ETA (or its last sending) before a pending job is sent again
     outbox_resend_after: float = 300.0
+    #: permits per key of tasks that set no ``lease_limit`` (None: one holder)
+    default_limit: int | None = None
 
     @property
     def routine_events(self) -> bool:
@@ -190,6 +219,7 @@ class FencedSettings:
         reclaim: object = None,
         outbox: object = None,
         unique: object = None,
+        limit: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
         real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
@@ -218,6 +248,14 @@ class FencedSettings:
                 "row in the lease database at publish): set fenced_outbox and the task's "
                 "outbox option to True, or unique to None"
             )
+        permits = validate_limit(limit, f"{where} limit")
+        if permits is None:
+            permits = self.default_limit
+        if permits is not None and one_copy == "until_done":
+            raise FencedConfigurationError(
+                f"{where} unique='until_done' keeps one copy queued or running: it cannot "
+                f"have permits too (limit={permits}); use unique='until_started', or no limit"
+            )
         return TaskOptions(
             ttl=real_ttl,
             on_busy=busy,
@@ -226,6 +264,7 @@ class FencedSettings:
             reclaim=chosen,
             outbox=recorded,
             unique=one_copy,
+            limit=permits,
         )
 
 
@@ -386,6 +425,7 @@ def _load(app: Any) -> FencedSettings:
         outbox_resend_after=validate_ttl(
             raw["fenced_outbox_resend_after"], "fenced_outbox_resend_after"
         ),
+        default_limit=validate_limit(raw["fenced_default_limit"], "fenced_default_limit"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"
@@ -413,6 +453,7 @@ def _load(app: Any) -> FencedSettings:
             reclaim=options.get("reclaim"),
             outbox=options.get("outbox"),
             unique=options.get("unique"),
+            limit=options.get("limit"),
         )
     return settings
 

@@ -41,7 +41,7 @@ class FencedExecution:
 
     Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
     ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``, ``lease_outbox``,
-    ``lease_unique``);
+    ``lease_unique``, ``lease_limit``);
     tasks fenced through the ``fenced_tasks`` setting get them from there
     (``_fenced_config``).
     """
@@ -53,6 +53,7 @@ class FencedExecution:
     lease_reclaim: bool | None = None
     lease_outbox: bool | None = None
     lease_unique: str | None = None
+    lease_limit: int | None = None
     _fenced_config: dict[str, Any] | None = None
     #: the worker's request class: it tells the backend which pool process ended
     Request = "celery_fenced.requests:FencedRequest"
@@ -80,6 +81,7 @@ class FencedExecution:
             self.lease_reclaim,
             self.lease_outbox,
             self.lease_unique,
+            self.lease_limit,
         )
         kept = self.__dict__.get("_fenced_options_kept")
         if kept is not None and all(map(operator.is_, kept[0], sources)):
@@ -100,6 +102,7 @@ class FencedExecution:
                 reclaim=config.get("reclaim"),
                 outbox=config.get("outbox"),
                 unique=config.get("unique"),
+                limit=config.get("limit"),
             )
         return settings.task_options(
             f"task {self.name!r}",
@@ -110,6 +113,7 @@ class FencedExecution:
             reclaim=self.lease_reclaim,
             outbox=self.lease_outbox,
             unique=self.lease_unique,
+            limit=self.lease_limit,
         )
 
     @property
@@ -341,6 +345,7 @@ class FencedExecution:
                 delivery=delivery,
                 ends_pending=options.outbox and bool(task_id),
                 stamps_started=options.unique == "until_done",
+                limit=options.limit,
             )
         except AlreadyCompleted:
             store.record_duplicate(

@@ -10,6 +10,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from celery_fenced import permits
 from celery_fenced.exceptions import FencedConfigurationError, InvalidLeaseKey
 from celery_fenced.models import KEY_MAX_LENGTH
 
@@ -163,6 +164,11 @@ def check_key(key: object, subject: str = "key") -> str:
     if len(key) > KEY_MAX_LENGTH:
         raise InvalidLeaseKey(
             f"{subject} must be at most {KEY_MAX_LENGTH} characters, got {len(key)}: {key[:40]!r}…"
+        )
+    if permits.SEPARATOR in key:
+        raise InvalidLeaseKey(
+            f"{subject} must not contain the unit separator ('\\x1f': it names the "
+            f"permits of a key, lease_limit), got {key[:40]!r}"
         )
     if "\x00" in key:
         raise InvalidLeaseKey(

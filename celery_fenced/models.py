@@ -10,6 +10,8 @@ from django.db.models import Q
 
 KEY_MAX_LENGTH = 255
 OWNER_MAX_LENGTH = 255
+#: a permit's row is its key's, with a suffix no key can take (see celery_fenced.permits)
+PERMIT_SUFFIX_ROOM = 8
 
 
 def _check(condition: Q, name: str) -> models.CheckConstraint:
@@ -29,7 +31,7 @@ class ReclaimState(models.TextChoices):
 class Lease(models.Model):
     """One row per job key: the current (or last) grant and its fencing token."""
 
-    key = models.CharField(max_length=KEY_MAX_LENGTH)
+    key = models.CharField(max_length=KEY_MAX_LENGTH + PERMIT_SUFFIX_ROOM)
     token = models.BigIntegerField(help_text="Fencing token of the current or last grant.")
     owner = models.CharField(max_length=OWNER_MAX_LENGTH)
     task_id = models.CharField(max_length=255, blank=True, default="")
@@ -62,6 +64,11 @@ class Lease(models.Model):
     )
     reclaim_claimed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the reclaimer last claimed this lease."
+    )
+    permits = models.PositiveIntegerField(
+        default=0,
+        help_text="lease_limit: on a key's own row, how many permit rows the key has (each "
+        "a lease of its own); 0: a plain lease.",
     )
     # Completion marker: the last job completed under this key, written by the statement
     # that proves and releases its grant; the grant statement reads it under the row lock.

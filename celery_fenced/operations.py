@@ -123,6 +123,18 @@ def find(key: str, *, using: str | None = None) -> Lease | None:
     return with_state(Lease._default_manager.using(database_alias(using)).filter(key=key)).first()
 
 
+def permit_rows(head: Lease) -> list[Lease]:
+    """The permits of ``head``, a key's own row with permits (``lease_limit``), in order,
+    each with its state; none for a plain lease."""
+    from celery_fenced import permits
+
+    if not head.permits:
+        return []
+    names = [permits.permit_key(head.key, i) for i in range(head.permits)]
+    rows = with_state(Lease._default_manager.using(head._state.db).filter(key__in=names))
+    return sorted(rows, key=lambda row: permits.split(row.key)[1] or 0)
+
+
 def events(lease: Lease) -> QuerySet[LeaseEvent]:
     """The audit trail of ``lease``, newest first."""
     return (

@@ -179,7 +179,9 @@ def summary(app: Any) -> str:
         return f"celery-fenced: {exc}"
     if tasks:
         listed = "; ".join(
-            f"{info.name} ({info.key}, ttl {info.options.ttl:g}s)" for info in tasks
+            f"{info.name} ({info.key}, ttl {info.options.ttl:g}s"
+            f"{'' if info.options.limit is None else f', {info.options.limit} permits'})"
+            for info in tasks
         )
         what = f"{len(tasks)} fenced task{'s' if len(tasks) != 1 else ''}: {listed}"
     else:

@@ -44,6 +44,7 @@ def validate_task_class(cls: type) -> None:
     unique = cls.__dict__.get("lease_unique")
     if unique is not None:
         conf.validate_unique(unique, f"{where} option lease_unique")
+    conf.validate_limit(cls.__dict__.get("lease_limit"), f"{where} option lease_limit")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

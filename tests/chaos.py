@@ -769,7 +769,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     status = {task_id: r.status for task_id, r in results.items()}
     slots = {s.job: s for s in ChaosSlot.objects.all()}
 
-    from testproject.demo.chaos_tasks import read_trace
+    from testproject.demo.chaos_tasks import PERMITS, read_trace
 
     runs, sent = workload.index(read_trace())
 
@@ -906,6 +906,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     for kind, where, text in [
         *workload.check_seams(jobs, seams),
         *workload.check_unique(jobs, deduplicated),
+        *workload.check_permits(history, PERMITS),
     ]:
         seam_counts[kind] += 1
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""

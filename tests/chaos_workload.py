@@ -37,6 +37,7 @@ from typing import Any
 
 from django.db import connections
 
+from celery_fenced import permits
 from celery_fenced.outages import attempt_through
 
 TASKS = ("chaos.guarded", "chaos.configured")
@@ -53,9 +54,12 @@ KINDS: dict[str, float] = {
     "expires": 8,
     "compete": 10,
     "unique": 8,
+    "permits": 8,
 }
 #: how many times the runner publishes one lease_unique job back to back
 UNIQUE_CALLS = 4
+#: permits: jobs sent at once on one key of chaos.permit_step's limit
+PERMIT_JOBS = 4
 #: the states a kind's tasks may end in (anything else is a failed job)
 ACCEPTED: dict[str, tuple[str, ...]] = {
     "limit": ("SUCCESS", "FAILURE"),  # over the soft or hard limit (prefork only)
@@ -69,6 +73,7 @@ SEAMS = {
     "completed-rerun": "bodies run again after their task completed (d)",
     "errback": "errbacks not fired once for a FAILURE (e)",
     "unique": "lease_unique calls refused without one deduplicated event each (f)",
+    "permits": "keys with more current grants than their lease_limit at an instant (g)",
 }
 
 
@@ -191,6 +196,18 @@ class Sender:
         }
         return self._job(name, "compete", ids)
 
+    def send_permits(self, name: str) -> Job:
+        # several jobs on one key with a lease_limit: up to that many run at once
+        ids = {
+            f"p{n}": self.sig(
+                "chaos.permit_step", (None, name, f"{name}-{n}"), {"seconds": self.seconds()}
+            )
+            .apply_async()
+            .id
+            for n in range(PERMIT_JOBS)
+        }
+        return self._job(name, "permits", ids)
+
     def send_unique(self, name: str) -> Job:
         # one job published several times at once: one copy queued, the others refused
         # with its id (until_done: also while it runs)
@@ -237,7 +254,7 @@ def accepted(job: Job, status: str, result: str | None) -> bool:
     """Whether a task of ``job`` may end in ``status`` (with ``result``, the stored JSON)."""
     if job.kind == "link" and job.fail:
         return status in ("SUCCESS", "FAILURE")  # the parent fails; its errback succeeds
-    if job.kind == "compete" and status == "FAILURE":
+    if job.kind in ("compete", "permits") and status == "FAILURE":
         # R2: a job whose expired grant the other job took over fails with StaleToken
         try:
             return bool(json.loads(result or "{}").get("exc_type") == "StaleToken")
@@ -438,6 +455,47 @@ def check_unique(jobs: list[Job], deduplicated: dict[str, int]) -> list[tuple[st
                     f"deduplicated events (returned {[_short(i) for i in job.returned]})",
                 )
             )
+    return problems
+
+
+def check_permits(history: dict[str, list[Any]], limit: int) -> list[tuple[str, str, str]]:
+    """(g) At no instant of the database's clock does a key hold more than ``limit``
+    current grants across its permits, and no token is issued twice on a key.
+
+    A permit's grant is current from its ``acquired``/``reclaimed`` event until its
+    ``released``/``force_released`` event or the permit's next grant (an expired grant
+    nobody took over still holds the newest token of its permit)."""
+    spans: dict[str, list[tuple[Any, Any, int]]] = defaultdict(list)
+    for lease_key, evs in history.items():
+        key, index = permits.split(lease_key)
+        if index is None:
+            continue
+        current: tuple[int, Any] | None = None
+        for e in sorted(evs, key=lambda e: e.id):
+            ends = e.kind in ("released", "force_released") and current and e.token == current[0]
+            if current and (e.kind in GRANTS or ends):
+                spans[key].append((current[1], e.at, current[0]))
+                current = None
+            if e.kind in GRANTS:
+                current = (e.token, e.at)
+        if current:
+            spans[key].append((current[1], None, current[0]))
+    problems = []
+    for key, grants in spans.items():
+        tokens = [token for _, _, token in grants]
+        if len(tokens) != len(set(tokens)):
+            problems.append(("permits", key, f"{key}: a token issued twice ({sorted(tokens)})"))
+        # at one instant an end comes before a start: a permit handed on is not two grants
+        points = sorted(
+            [(start, 1) for start, _, _ in grants]
+            + [(end, -1) for _, end, _ in grants if end is not None]
+        )
+        running = peak = 0
+        for _, step in points:
+            running += step
+            peak = max(peak, running)
+        if peak > limit:
+            problems.append(("permits", key, f"{key}: {peak} grants current at once"))
     return problems
 
 

@@ -19,7 +19,7 @@ from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
-from celery_fenced import kinds, operations, paging, timeline
+from celery_fenced import kinds, operations, paging, permits, timeline
 from celery_fenced.admin.display import (
     CHANGE_LIST,
     STATE_COLOURS,
@@ -51,7 +51,7 @@ BULK_LIMIT = 1000  # leases force-released by one action
 
 #: the lease page's field groups: (title, fields)
 FIELD_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
-    (None, ("key", "state_badge", "token", "owner", "reclaimed_from")),
+    (None, ("key_column", "state_badge", "token", "owner", "reclaimed_from", "permit_list")),
     ("Task", ("task_name", "task_link")),
     (
         "Times (UTC, the database's clock)",
@@ -64,7 +64,7 @@ FIELD_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
 @admin.register(Lease)
 class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModelAdmin):
     list_display = (
-        "key",
+        "key_column",
         "token",
         "state_badge",
         "owner",
@@ -80,7 +80,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     date_hierarchy = "acquired_at"
     ordering = ("-acquired_at",)
     # only the columns an index can sort
-    sortable_by = ("key", "task_name_column", "expires_in", "acquired")
+    sortable_by = ("key_column", "task_name_column", "expires_in", "acquired")
     actions = ("force_release_selected",)
     change_form_template = "admin/celery_fenced/lease/change_form.html"
     change_list_template = CHANGE_LIST
@@ -94,6 +94,37 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         return operations.with_state(leases.order_by(*ordering) if ordering else leases)
 
     # -- columns -----------------------------------------------------------------------
+    @admin.display(description="key", ordering="key")
+    def key_column(self, lease: Lease) -> str:
+        """The key; a permit's as ``key (permit 2)``, a key's own row with its permits."""
+        if lease.permits:
+            return f"{lease.key} ({lease.permits} permits)"
+        return permits.describe(lease.key)
+
+    @admin.display(description="permits")
+    def permit_list(self, lease: Lease) -> SafeString | str:
+        """A key's permits (``lease_limit``): each one's state, token, holder and expiry."""
+        rows = operations.permit_rows(lease)
+        if not rows:
+            return "-"
+        return format_html(
+            "<ul>{}</ul>",
+            format_html_join(
+                "",
+                "<li>permit {}: {}, token {}, {} ({})</li>",
+                (
+                    (
+                        permits.split(row.key)[1],
+                        getattr(row, "state", ""),
+                        row.token,
+                        row.owner or "-",
+                        operations.describe_expiry(operations.expires_in(row)),
+                    )
+                    for row in rows
+                ),
+            ),
+        )
+
     @admin.display(description="state")
     def state_badge(self, lease: Lease) -> SafeString:
         state = str(getattr(lease, "state", ""))

@@ -10,7 +10,7 @@ from typing import Any
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import conf, signals
-from celery_fenced.exceptions import AlreadyCompleted, LeaseBusy
+from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
 from celery_fenced.store.dialects.records import Completed, Delivery, GrantRequest, Holder
@@ -42,6 +42,7 @@ def acquire(
     connection: BaseDatabaseWrapper | None = None,
     ends_pending: bool = False,
     stamps_started: bool = False,
+    limit: int | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
@@ -62,8 +63,13 @@ def acquire(
     pending row (:mod:`celery_fenced.store.outbox`), in the granting statement;
     ``stamps_started`` (a ``lease_unique="until_done"`` task): the grant keeps the row,
     stamped with its token, instead.
+
+    ``limit`` (``lease_limit``): grant one of that many permits of ``key``; the lease
+    held is the permit's row (its ``key`` names the permit: :mod:`celery_fenced.permits`).
+    Busy when ``limit`` permits are held.
     """
     key = validate_key(key)
+    limit = conf.validate_limit(limit, "limit")
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)
@@ -85,6 +91,7 @@ def acquire(
                 routine,
                 ends_pending and bool(task_id),
                 stamps_started,
+                limit,
             )
         )
     if isinstance(outcome, Completed):
@@ -92,6 +99,8 @@ def acquire(
             forget_pending(alias, task_id)
         raise AlreadyCompleted(key, task_id, outcome.retries)
     if isinstance(outcome, Holder):
+        if limit is None and not outcome.owner:  # a head of permits has no owner
+            _refuse_permits_key(alias, key)
         signals.send(
             signals.lease_busy,
             Lease,
@@ -109,7 +118,7 @@ def acquire(
             remaining=outcome.remaining,
         )
     lease = HeldLease(
-        key=key,
+        key=outcome.key or key,
         token=outcome.token,
         owner=owner,
         expires_at=outcome.expires_at,
@@ -126,7 +135,7 @@ def acquire(
     signals.send(
         signals.lease_acquired,
         Lease,
-        key=key,
+        key=lease.key,
         token=lease.token,
         owner=owner,
         task_id=task_id,
@@ -134,6 +143,17 @@ def acquire(
     )
     logger.debug("lease acquired", extra=lease._log_extra())
     return lease
+
+
+def _refuse_permits_key(alias: str, key: str) -> None:
+    """A grant of one holder on a key that has permits would sit beside their holders."""
+    head = Lease._default_manager.using(alias).filter(key=key, permits__gt=0)
+    permits = head.values_list("permits", flat=True).first()
+    if permits:
+        raise FencedConfigurationError(
+            f"lease {key!r} has permits (lease_limit={permits}): a grant without a limit "
+            "cannot take it; give the task (or the acquire call) lease_limit / limit too"
+        )
 
 
 def force_release(key: str, *, by: str | None = None, using: str | None = None) -> int | None:

@@ -411,6 +411,18 @@ def unique_step(self: Any, value: Any, job: str, seconds: float = 0.0) -> Any:
     return _step(self, value, job, 0, seconds, False)
 
 
+#: permits of one key in the permits workload (``lease_limit``)
+PERMITS = 2
+
+
+@shared_task(
+    name="chaos.permit_step", lease_key="permits:{group}", lease_limit=PERMITS, **FENCED_STEP
+)
+def permit_step(self: Any, value: Any, group: str, job: str, seconds: float = 0.0) -> Any:
+    """A fenced step holding one of the ``PERMITS`` permits of its group's key."""
+    return _step(self, value, job, 0, seconds, False)
+
+
 @shared_task(name="chaos.fenced_body", lease_key="body:{job}", **FENCED_STEP)
 def fenced_body(self: Any, results: Any, job: str) -> Any:
     """A fenced chord body: receives the header's results."""

@@ -99,6 +99,23 @@ def send_digest(self: Any, name: str, until_file: str = "") -> dict[str, Any]:
     return {"worker": _worker(), "token": self.request.fencing_token, "name": name}
 
 
+@shared_task(bind=True, base=FencedTask, lease_key="tiles", lease_ttl=30, lease_limit=3)
+def render_tile(self: Any, tile: int, until_file: str = "") -> dict[str, Any]:
+    """Up to three tiles at once (``lease_limit=3``, each with a permit of the key "tiles"):
+    returns how many bodies were running when it started; it runs until ``until_file``
+    exists."""
+    running = f"running:{self.request.id}"
+    with self.lease.guard():
+        LedgerEntry.objects.create(job="tiles", effect=running, token=self.request.fencing_token)
+    at_once = LedgerEntry.objects.filter(job="tiles", effect__startswith="running:").count()
+    deadline = time.monotonic() + 60
+    while until_file and not os.path.exists(until_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with self.lease.guard():
+        LedgerEntry.objects.filter(job="tiles", effect=running).delete()
+    return {"tile": tile, "at_once": at_once, "token": self.request.fencing_token}
+
+
 class AuditedRequest(Request):  # type: ignore[misc]
     """A project's own worker request class, as ``Request=`` on a fenced task."""
 

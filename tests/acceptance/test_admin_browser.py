@@ -133,7 +133,9 @@ def fits_the_width(page: Any) -> bool:
 
 
 def row(page: Any, key: str) -> Any:
-    return page.locator("#result_list tbody tr", has=page.locator("th.field-key", has_text=key))
+    return page.locator(
+        "#result_list tbody tr", has=page.locator("th.field-key_column", has_text=key)
+    )
 
 
 def test_browser__changelist_and_state_filter(page: Any) -> None:
@@ -167,7 +169,7 @@ def test_browser__changelist_and_state_filter(page: Any) -> None:
 def test_browser__lease_page_history_and_timeline(page: Any) -> None:
     some_leases()
     page.goto(f"{page.base}/admin/celery_fenced/lease/")
-    row(page, "report:42").locator("th.field-key a").click()
+    row(page, "report:42").locator("th.field-key_column a").click()
     page.wait_for_selector("svg.fenced-timeline")
     timeline = page.locator("svg.fenced-timeline")
     assert timeline.is_visible()
@@ -217,7 +219,7 @@ def test_browser__force_release_action_and_button(page: Any) -> None:
         held["invoice:2024-07"].renew()
 
     # the button on the lease page
-    row(page, "sync:crm").locator("th.field-key a").click()
+    row(page, "sync:crm").locator("th.field-key_column a").click()
     page.click("a.fenced-force-release")
     page.wait_for_selector("#fenced-confirm")
     page.click("#fenced-confirm")
@@ -235,9 +237,9 @@ def test_browser__a_key_with_markup_runs_no_script(page: Any) -> None:
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.goto(f"{page.base}/admin/celery_fenced/lease/")
     assert row(page, NASTY_KEY).count() == 1
-    row(page, NASTY_KEY).locator("th.field-key a").click()
+    row(page, NASTY_KEY).locator("th.field-key_column a").click()
     page.wait_for_selector("svg.fenced-timeline")
-    assert page.locator(".field-key .readonly").inner_text() == NASTY_KEY
+    assert page.locator(".field-key_column .readonly").inner_text() == NASTY_KEY
     assert NASTY_KEY in page.locator("svg.fenced-timeline title").first.text_content()
     page.goto(f"{page.base}/admin/celery_fenced/leaseevent/")
     assert dialogs == []

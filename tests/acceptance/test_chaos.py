@@ -492,3 +492,34 @@ def test_checker__a_refused_unique_call_without_its_event_is_seen(events: int) -
     done("t1")
     found = run_check([job])
     assert (("unique", "") in found) == (events != 3), found
+
+
+def _permit_history(*grants: tuple[int, int, float, float | None]) -> dict[str, list[Any]]:
+    """(permit, token, granted at, released at) -> the events of each permit's row."""
+    from types import SimpleNamespace
+
+    from celery_fenced import permits
+
+    history: dict[str, list[Any]] = {}
+    for n, (permit, token, start, end) in enumerate(grants):
+        events = history.setdefault(permits.permit_key("permits:j1", permit), [])
+        events.append(SimpleNamespace(id=2 * n, kind="acquired", token=token, at=at(start)))
+        if end is not None:
+            events.append(SimpleNamespace(id=2 * n + 1, kind="released", token=token, at=at(end)))
+    return history
+
+
+@pytest.mark.parametrize(
+    ("grants", "seen"),
+    [
+        (((0, 1, 0, 5), (1, 2, 1, 6)), False),  # two at once of two
+        (((0, 1, 0, 5), (1, 2, 1, 6), (2, 3, 2, None)), True),  # three at once
+        (((0, 1, 0, 5), (1, 2, 5, 6), (0, 3, 5, 7)), False),  # handed on at one instant
+        (((0, 1, 0, None), (0, 2, 3, 4), (1, 3, 1, 2), (1, 4, 5, 6)), False),  # taken over
+        (((0, 1, 0, 1), (1, 1, 2, 3)), True),  # a token issued twice
+    ],
+)
+def test_checker__permits_more_than_the_limit_at_once_is_seen(grants: Any, seen: bool) -> None:
+    """(g) Never more than the limit's current grants on a key, by the database's clock."""
+    found = chaos_workload.check_permits(_permit_history(*grants), 2)
+    assert bool(found) == seen, found

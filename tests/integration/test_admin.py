@@ -114,7 +114,7 @@ def timeline_svg(html: str) -> str:
 
 def rows(html: str) -> list[str]:
     """The lease keys of a changelist page, in order."""
-    return re.findall(r'<th class="field-key"><a href="[^"]*">([^<]*)</a>', html)
+    return re.findall(r'<th class="field-key_column"><a href="[^"]*">([^<]*)</a>', html)
 
 
 # -- permissions -----------------------------------------------------------------------
@@ -246,7 +246,8 @@ def three_states(alias: str) -> None:
 
 def badges(html: str) -> dict[str, str]:
     found = re.findall(
-        r'<th class="field-key"><a href="[^"]*">([^<]*)</a>.*?fenced-badge fenced-(\w+)', html
+        r'<th class="field-key_column"><a href="[^"]*">([^<]*)</a>.*?fenced-badge fenced-(\w+)',
+        html,
     )
     return dict(found)
 
@@ -517,3 +518,16 @@ def test_admin__reclaim_claimed_at_has_the_format_of_the_other_times(
     shown = when(lease.acquired_at)
     assert re.search(r"Reclaim claimed at:</label>\s*<div class=\"readonly\">" + shown, page)
     held.release()
+
+
+def test_admin__a_keys_permits_are_shown_with_their_holders(
+    lease_db: str, login: Callable[..., Client]
+) -> None:
+    first = acquire("tiles", ttl=30, limit=2, owner="worker-a", using=lease_db)
+    acquire("tiles", ttl=30, limit=2, owner="worker-b", using=lease_db).release()
+    client = login(*VIEWER)
+    listed = rows(client.get(CHANGELIST).content.decode())
+    assert sorted(listed) == ["tiles (2 permits)", "tiles (permit 0)", "tiles (permit 1)"]
+    page = client.get(lease_url(lease_db, "tiles")).content.decode()
+    assert f"permit 0: held, token {first.token}, worker-a" in page
+    assert "permit 1: released" in page

@@ -67,6 +67,8 @@ def test_list__json_fields_and_limit(alias: str) -> None:
     assert row["key"] == "mail:1"  # the newest grant first
     assert set(row) == {
         "key",
+        "permit",
+        "permits",
         "token",
         "state",
         "owner",
@@ -256,3 +258,21 @@ def test_celery_cli__arguments_go_to_the_one_parser() -> None:
     run = CliRunner().invoke(cli.fenced, ["prune"])
     assert run.exit_code == 2
     assert "the following arguments are required: --older-than" in run.output
+
+
+def test_show_and_list__a_keys_permits(alias: str) -> None:
+    first = acquire("tiles", ttl=300, limit=2, owner="worker-a", task_id="t-1", using=alias)
+    text = fenced("show", "tiles", "--database", alias)
+    assert "Permits (lease_limit: 2 at most):" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("0 ")]
+    assert f" {first.token} " in line
+    assert "worker-a" in line
+    assert "held" in line
+    shown = json.loads(fenced("show", "tiles", "--json", "--database", alias))
+    assert [(r["permit"], r["state"]) for r in shown["permit_rows"]] == [
+        (0, "held"),
+        (1, "released"),
+    ]
+    listed = fenced("list", "--database", alias)
+    assert "tiles (2 permits)" in listed
+    assert "tiles (permit 0)" in listed

@@ -65,6 +65,8 @@ class ORMDialect(PortableOperations):
                     job=request.job,
                 )
                 reclaimed_from, previous_start = "", None
+            elif row.permits:  # the head of the key's permits: never granted itself
+                return Holder(row.token, "", row.expires_at, 0.0)
             elif row.released_at is None and row.expires_at > now:
                 self._event(
                     row.pk,

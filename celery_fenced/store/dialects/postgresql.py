@@ -36,6 +36,8 @@ from celery_fenced.store.dialects.records import (
 )
 from celery_fenced.store.dialects.sql import SQLDialect
 
+#: where permits' tokens come from (migration 0007_permits)
+SEQUENCE = "celery_fenced_permit_token"
 #: the values of a result row written by the releasing statement
 RESULT_WIDTH = len(RESULT_COLUMNS)
 
@@ -102,6 +104,8 @@ class PostgreSQL(SQLDialect):
         return [Claim(*row) for row in rows]
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        if request.limit is not None:
+            return self._grant_permit(request)
         key, owner, task_id, delivery = (
             request.key,
             request.owner,
@@ -196,10 +200,10 @@ class PostgreSQL(SQLDialect):
         return f"""INSERT INTO {LEASE} (key, token, owner, task_id, task_name, acquired_at,
                                    renewed_at, expires_at, released_at, reclaimed_from, job,
                                    reclaim_attempts, reclaim_state, reclaim_claimed_at,
-                                   completed_digest, release_state)
+                                   completed_digest, release_state, permits)
                    SELECT {key_sql}, 0, '', '', %s, statement_timestamp(),
                           statement_timestamp(), statement_timestamp(),
-                          statement_timestamp(), '', NULL, 0, '', NULL, '', ''"""
+                          statement_timestamp(), '', NULL, 0, '', NULL, '', '', 0"""
 
     def _ended_sql_until_done(self) -> str:
         """Whether pending row ``p`` no longer stands for an ``until_done`` copy (see
@@ -420,7 +424,7 @@ class PostgreSQL(SQLDialect):
         )
 
     @staticmethod
-    def _displaced() -> str:
+    def _displaced(*, by_id: bool = False) -> str:
         """A CTE handing the job of the grant taken over to the outbox, due at once, when
         it is another job's (parameters: the key, the new grant's task id).
 
@@ -429,7 +433,8 @@ class PostgreSQL(SQLDialect):
         whose worker died and whose message the broker lost too would be lost. Its
         reclaim count goes with it (``sends``); a job already abandoned stays so. An
         ``until_done`` row stamped with that grant stands for it again, due at once. The
-        row before the grant is read from the statement's snapshot.
+        row before the grant is read from the statement's snapshot. ``by_id``: the row is
+        the granted one (a permit's: no parameter for the key).
         """
         return f""",
                 displaced AS (
@@ -440,12 +445,125 @@ class PostgreSQL(SQLDialect):
                            NULL, statement_timestamp(), p.reclaim_attempts, false, NULL, '',
                            NULL, '', NULL, false
                     FROM {LEASE} p, granted g
-                    WHERE p.key = %s AND g.reclaimed_from <> '' AND p.released_at IS NULL
+                    WHERE {"p.id = g.id" if by_id else "p.key = %s"}
+                      AND g.reclaimed_from <> '' AND p.released_at IS NULL
                       AND p.job IS NOT NULL AND p.task_id NOT IN ('', %s)
                       AND p.reclaim_state <> {SQL_STATE_ABANDONED}
                     ON CONFLICT (task_id) DO UPDATE
                         SET started_token = NULL, resend_at = statement_timestamp()
                         WHERE q.started_token IS NOT NULL)"""
+
+    def _grant_permit(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """A free permit of the key in one statement, its event and the end of the job's
+        pending row with it; else (the key's permit rows not made yet, all held, a
+        completed duplicate, a free permit locked by another statement) the portable
+        transaction decides (:mod:`.permits`).
+
+        Acquirers of one key's permits share no row: each locks the free permit it takes
+        (``FOR UPDATE SKIP LOCKED``: one held by another acquirer is passed over), and the
+        token is the head's floor plus the next value of a sequence — distinct, in the
+        order the grants take them, above every token the key had before its permits.
+        """
+        assert request.limit is not None
+        delivery = request.delivery
+        unless_completed = delivery is not None and bool(delivery.task_id)
+        completed = (
+            f"""AND NOT EXISTS ({self._completed_sql()})
+                AND NOT EXISTS (SELECT 1 FROM {LEASE} mk, names
+                                WHERE mk.key = names.name AND {self._marked_sql("mk")})"""
+            if unless_completed
+            else ""
+        )
+        same = "l.released_at IS NULL AND l.task_id = %s AND l.task_id <> ''"
+        rows = self._fetch(
+            f"""WITH head AS (
+                    SELECT token, permits FROM {LEASE}
+                    WHERE key = %s AND permits >= %s AND released_at IS NOT NULL),
+                names AS (
+                    SELECT %s || chr(31) || g::text AS name, g < %s AS allowed
+                    FROM head, generate_series(0, head.permits - 1) g),
+                pick AS (
+                    SELECT p.id FROM {LEASE} p
+                    WHERE p.key IN (SELECT name FROM names WHERE allowed)
+                      AND (p.released_at IS NOT NULL OR p.expires_at <= statement_timestamp())
+                      AND NOT EXISTS (
+                          SELECT 1 FROM {LEASE} x
+                          WHERE x.key IN (SELECT name FROM names WHERE NOT allowed)
+                            AND x.released_at IS NULL
+                            AND x.expires_at > statement_timestamp())
+                      {completed}
+                    ORDER BY (p.released_at IS NULL AND p.task_id = %s) DESC, p.id
+                    LIMIT 1 FOR UPDATE SKIP LOCKED),
+                granted AS (
+                    UPDATE {LEASE} l SET
+                        token = (SELECT token FROM head) + nextval('{SEQUENCE}'),
+                        owner = %s, task_id = %s, task_name = %s,
+                        acquired_at = statement_timestamp(), renewed_at = statement_timestamp(),
+                        expires_at = {self.expiry("%s")}, released_at = NULL,
+                        release_state = '',
+                        reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
+                        job = %s,
+                        reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
+                        reclaim_state = '',
+                        reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
+                    FROM pick WHERE l.id = pick.id
+                      AND (l.released_at IS NOT NULL OR l.expires_at <= statement_timestamp())
+                    RETURNING l.id, l.token, l.expires_at, l.reclaimed_from,
+                              l.completed_digest, l.key),
+                ev AS (
+                    INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT g.id, CASE WHEN g.reclaimed_from = ''
+                                      THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
+                           g.token, %s, %s, statement_timestamp(),
+                           CASE WHEN g.reclaimed_from = '' THEN '{{}}'::jsonb ELSE
+                           jsonb_build_object('previous_owner', g.reclaimed_from,
+                                              'previous_token', p.token,
+                                              'previous_acquired_at', p.acquired_at) END
+                    FROM granted g JOIN {LEASE} p ON p.id = g.id
+                    WHERE g.reclaimed_from <> '' OR %s){self._displaced(by_id=True)}{
+                (
+                    self._end_pending_stamping()
+                    if request.stamps_started
+                    else self._end_pending(granted=True)
+                )
+                if request.ends_pending
+                else ""
+            }
+                SELECT id, token, expires_at, reclaimed_from, completed_digest, key
+                FROM granted""",
+            [
+                request.key,
+                request.limit,
+                request.key,
+                request.limit,
+                *(
+                    [*self._marked_params(delivery, request.window)] * 2
+                    if unless_completed and delivery is not None
+                    else []
+                ),
+                request.task_id,
+                request.owner,
+                request.task_id,
+                request.task_name,
+                self.ttl_param(request.ttl),
+                request.job,
+                request.task_id,
+                request.task_id,
+                request.task_id,
+                request.owner,
+                request.routine_events,
+                request.task_id,
+                *self._end_pending_params(request, granted=True),
+            ],
+        )
+        if rows:
+            lease_id, token, expires_at, reclaimed_from, marker, key = rows[0]
+            return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key)
+        return super().acquire(request)
+
+    def _permit_token(self, head: Any, rows: Any) -> int:
+        """The head's floor plus the sequence's next value (see :meth:`_grant_permit`)."""
+        return int(self._fetch(f"SELECT %s + nextval('{SEQUENCE}')", [head.token])[0][0])
 
     RELEASES_WITH_RESULT = True
 

@@ -89,6 +89,8 @@ class Grant:
     reclaimed_from: str
     #: the row's completion marker as the grant left it (None: not read)
     marker: str | None = None
+    #: the granted row's key when it is not the requested one: a permit's
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,8 @@ class GrantRequest:
     ends_pending: bool = False
     #: the task is ``lease_unique="until_done"``: the grant stamps its row instead
     stamps_started: bool = False
+    #: ``lease_limit``: grant one of this many permits of the key (None: the key itself)
+    limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from django.db.models.functions import Greatest, Now
 
 from celery_fenced.models import Lease, LeaseEvent, PendingJob, ReclaimState
 from celery_fenced.store.dialects.base import Dialect
+from celery_fenced.store.dialects.permits import PermitGrants
 from celery_fenced.store.dialects.records import (
     Claim,
     Completed,
@@ -24,7 +25,7 @@ from celery_fenced.store.dialects.records import (
 Kind = LeaseEvent.Kind
 
 
-class PortableOperations(Dialect):
+class PortableOperations(Dialect, PermitGrants):
     """Operations every dialect takes from here: small reads and one-row updates of the
     reclaimer's bookkeeping, where a database's own SQL would gain nothing."""
 
@@ -179,7 +180,11 @@ class PortableOperations(Dialect):
             settled = not request.ends_pending or self._pending_before_grant(
                 request.task_id, keep_until_done=request.stamps_started
             )
-            outcome = self._grant_in_transaction(request)
+            outcome = (
+                self._grant_in_transaction(request)
+                if request.limit is None
+                else self._permit_in_transaction(request)
+            )
             if not settled:
                 granted = outcome.token if isinstance(outcome, Grant) else None
                 self._pending_after_grant(request.task_id, granted)

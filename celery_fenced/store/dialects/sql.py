@@ -118,14 +118,15 @@ class SQLDialect(PortableOperations):
 
         ``routine``: the grant of the common case — a new key, or one its last holder
         released — without what a takeover needs; it grants nothing otherwise (a takeover,
-        a held key, a duplicate: then the full statement decides).
+        a held key, a duplicate: then the full statement decides). The head of a key's
+        permits (``lease_limit``: :mod:`celery_fenced.permits`) is never granted here.
         """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
         same = "l.released_at IS NULL AND excluded.task_id <> '' AND l.task_id = excluded.task_id"
         values = (
             f"%s, 1, %s, %s, %s, {now}, {now}, {self.expiry('%s')}, NULL, '', %s, 0, '', NULL, "
-            "'', ''"
+            "'', '', 0"
         )
         proposed = (
             f"SELECT {values} WHERE NOT EXISTS ({self._completed_sql()})"
@@ -144,7 +145,7 @@ class SQLDialect(PortableOperations):
             INSERT INTO {LEASE} AS l (key, token, owner, task_id, task_name, acquired_at,
                                       renewed_at, expires_at, released_at, reclaimed_from,
                                       job, reclaim_attempts, reclaim_state, reclaim_claimed_at,
-                                      completed_digest, release_state)
+                                      completed_digest, release_state, permits)
             {proposed}
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
@@ -156,7 +157,7 @@ class SQLDialect(PortableOperations):
                 reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
                 reclaim_state = '',
                 reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
-            WHERE {free} {unmarked}
+            WHERE {free} AND l.permits = 0 {unmarked}
             RETURNING id, token, expires_at, reclaimed_from, completed_digest"""
 
     def _completed_sql(self) -> str:

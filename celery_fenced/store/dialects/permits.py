@@ -1,0 +1,247 @@
+"""Grants of permits (``lease_limit``) in one transaction, on every database.
+
+The key's own row (its *head*) is written first: the transaction queues there behind any
+other acquirer of the key on this path (on SQLite it holds the write lock from its first
+statement). It records how many permit rows the key has and gives the permits their
+tokens; it is never granted itself (a plain grant refuses a head). Then the permit rows
+are locked and read: the grant takes a free one of the first ``limit`` (the same job's
+own expired permit first, then the lowest free number, then a permit row not made yet),
+unless ``limit`` permits are held already — counting the permits above the limit that
+holders of a larger one still hold, so lowering it grants none above it. PostgreSQL
+grants most permits in one statement first (:mod:`.postgresql`); this is its slow path.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.db.models.functions import Greatest
+
+from celery_fenced import permits
+from celery_fenced.models import Completion, Lease, LeaseEvent
+from celery_fenced.store.dialects.records import (
+    Completed,
+    Delivery,
+    Displaced,
+    Grant,
+    GrantRequest,
+    Holder,
+)
+
+Kind = LeaseEvent.Kind
+
+
+class PermitGrants:
+    """The portable grant of a permit; mixed into the dialects' shared operations."""
+
+    alias: str
+
+    def now(self) -> dt.datetime:
+        raise NotImplementedError
+
+    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
+        raise NotImplementedError
+
+    def _event(
+        self,
+        lease_id: int,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        at: dt.datetime | None,
+        detail: dict[str, Any],
+    ) -> None:
+        raise NotImplementedError
+
+    def _permit_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """Grant one of ``request.limit`` permits of ``request.key`` (see the module)."""
+        assert request.limit is not None
+        limit, key = request.limit, request.key
+        rows = Lease._default_manager.using(self.alias)
+        head = self._head(request)
+        if isinstance(head, Holder):
+            return head
+        now = self.now()
+        names = [permits.permit_key(key, i) for i in range(max(head.permits, limit))]
+        found = {row.key: row for row in rows.select_for_update().filter(key__in=names)}
+        delivery = request.delivery
+        if delivery is not None and self._permit_completed(names, delivery, request.window):
+            return Completed(request.task_id, delivery.retries)
+        held = [row for row in found.values() if _live(row, now)]
+        if len(held) >= limit:
+            first = min(held, key=lambda row: row.expires_at)
+            self._event(
+                head.pk,
+                Kind.BUSY,
+                first.token,
+                request.task_id,
+                request.owner,
+                now,
+                {"holder": first.owner, "permits": limit},
+            )
+            return Holder(
+                first.token,
+                first.owner,
+                first.expires_at,
+                (first.expires_at - now).total_seconds(),
+            )
+        missing = [name for name in names[:limit] if name not in found]
+        if missing:  # made once, never granted: later grants find them free
+            rows.bulk_create(
+                [
+                    Lease(
+                        key=name,
+                        token=0,
+                        owner="",
+                        task_id="",
+                        task_name=request.task_name,
+                        acquired_at=now,
+                        renewed_at=now,
+                        expires_at=now,
+                        released_at=now,
+                    )
+                    for name in missing
+                ]
+            )
+            found.update(
+                (row.key, row) for row in rows.select_for_update().filter(key__in=missing)
+            )
+        row = _choose(found, names[:limit], request.task_id, now)
+        assert row is not None  # fewer than limit held: one of the first limit is free
+        token = self._permit_token(head, found.values())
+        reclaimed_from = row.owner if row.released_at is None else ""
+        same_job = row.released_at is None and row.task_id == request.task_id != ""
+        if reclaimed_from:
+            self._requeue_displaced(
+                Displaced(
+                    row.key,
+                    row.task_id,
+                    row.task_name,
+                    row.job,
+                    False,
+                    row.reclaim_state,
+                    row.reclaim_attempts,
+                ),
+                request.task_id,
+            )
+        previous_start = row.acquired_at
+        rows.filter(pk=row.pk).update(
+            token=token,
+            owner=request.owner,
+            task_id=request.task_id,
+            task_name=request.task_name,
+            acquired_at=now,
+            renewed_at=now,
+            expires_at=now + dt.timedelta(seconds=request.ttl),
+            released_at=None,
+            release_state="",
+            reclaimed_from=reclaimed_from,
+            job=request.job,
+            reclaim_attempts=row.reclaim_attempts if same_job else 0,
+            reclaim_state="",
+            reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
+        )
+        if reclaimed_from:
+            detail = {
+                "previous_owner": reclaimed_from,
+                "previous_token": row.token,
+                "previous_acquired_at": previous_start.isoformat(),
+            }
+            self._event(row.pk, Kind.RECLAIMED, token, request.task_id, request.owner, now, detail)
+        if not reclaimed_from and request.routine_events:
+            self._event(row.pk, Kind.ACQUIRED, token, request.task_id, request.owner, now, {})
+        expires = now + dt.timedelta(seconds=request.ttl)
+        return Grant(row.pk, token, expires, reclaimed_from, None, row.key)
+
+    def _head(self, request: GrantRequest) -> Lease | Holder:
+        """The key's own row, locked, marked as the head of ``request.limit`` permits (made
+        if missing). A plain grant that still holds it keeps the key busy; one that
+        expired unfinished ends, its job handed to the outbox."""
+        assert request.limit is not None
+        rows = Lease._default_manager.using(self.alias)
+        key = request.key
+        # a write first: SQLite's write lock from the first statement, a row lock elsewhere
+        if not rows.filter(key=key).update(permits=Greatest(F("permits"), request.limit)):
+            now = self.now()
+            try:
+                with transaction.atomic(using=self.alias):
+                    rows.create(
+                        key=key,
+                        token=0,
+                        owner="",
+                        task_id="",
+                        task_name=request.task_name,
+                        acquired_at=now,
+                        renewed_at=now,
+                        expires_at=now,
+                        released_at=now,
+                        permits=request.limit,
+                    )
+            except IntegrityError:  # made meanwhile by another acquirer
+                rows.filter(key=key).update(permits=Greatest(F("permits"), request.limit))
+        head = rows.select_for_update().get(key=key)
+        if head.released_at is None:
+            now = self.now()
+            if head.expires_at > now:  # a plain grant made before the key had permits
+                return Holder(
+                    head.token,
+                    head.owner,
+                    head.expires_at,
+                    (head.expires_at - now).total_seconds(),
+                )
+            self._requeue_displaced(
+                Displaced(
+                    key,
+                    head.task_id,
+                    head.task_name,
+                    head.job,
+                    False,
+                    head.reclaim_state,
+                    head.reclaim_attempts,
+                ),
+                request.task_id,
+            )
+            rows.filter(pk=head.pk).update(released_at=now, job=None, owner="")
+        elif head.owner:  # a plain lease's row becomes the head: no owner, ever
+            rows.filter(pk=head.pk).update(owner="")
+        return head
+
+    def _permit_token(self, head: Lease, rows: Any) -> int:
+        """The next token of the key's permits: above every one issued (the head keeps the
+        last). PostgreSQL: the head's floor plus the next value of a sequence."""
+        token = int(max([head.token, *(row.token for row in rows)])) + 1
+        Lease._default_manager.using(self.alias).filter(pk=head.pk).update(token=token)
+        return token
+
+    def _permit_completed(self, names: list[str], delivery: Delivery, window: float) -> bool:
+        """Whether ``delivery``'s job completed within ``window`` seconds under any permit."""
+        since = self.now() - dt.timedelta(seconds=window)
+        marked = Lease._default_manager.using(self.alias).filter(
+            key__in=names,
+            completed_digest=delivery.digest,
+            completed_retries__gte=delivery.retries,
+            completed_at__gt=since,
+        )
+        moved = Completion._default_manager.using(self.alias).filter(
+            digest=delivery.digest, retries__gte=delivery.retries, completed_at__gt=since
+        )
+        return marked.exists() or moved.exists()
+
+
+def _live(row: Lease, now: dt.datetime) -> bool:
+    return row.released_at is None and row.expires_at > now
+
+
+def _choose(
+    found: dict[str, Lease], names: list[str], task_id: str, now: dt.datetime
+) -> Lease | None:
+    """The permit row to grant: the same job's own expired one, else the lowest free one."""
+    free = [found[name] for name in names if name in found and not _live(found[name], now)]
+    own = [row for row in free if row.released_at is None and task_id and row.task_id == task_id]
+    if own or free:
+        return (own or free)[0]
+    return None

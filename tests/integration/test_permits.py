@@ -1,0 +1,179 @@
+"""Permits (issue 18): up to N holders of a key, each with a fencing token of the key's one
+sequence, on SQLite and PostgreSQL — PostgreSQL's one-statement grant and the portable
+transaction both (``dialect``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.db.models import F
+
+from celery_fenced import (
+    FencedConfigurationError,
+    LeaseBusy,
+    LeaseLost,
+    StaleToken,
+    acquire,
+    fenced_update,
+    permits,
+)
+from celery_fenced.exceptions import AlreadyCompleted, InvalidLeaseKey
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store import dialects
+from celery_fenced.store.dialects import Delivery
+from testproject.demo.models import Report
+from tests.conftest import DATABASE_ALIASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+
+
+@pytest.fixture(params=["native", "portable"])
+def dialect(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each database's own grant, or the ORM transaction every other database gets."""
+    if request.param == "portable":
+        monkeypatch.setattr(dialects, "for_alias", lambda alias, **kw: dialects.ORMDialect(alias))
+    return str(request.param)
+
+
+def expire(alias: str, lease_key: str) -> None:
+    Lease.objects.using(alias).filter(key=lease_key).update(expires_at=F("acquired_at"))
+
+
+def test_up_to_limit_holders__distinct_increasing_tokens__then_busy(
+    alias: str, dialect: str
+) -> None:
+    held = [acquire("k", ttl=30, limit=3, task_id=f"t{i}", using=alias) for i in range(3)]
+    assert sorted(lease.key for lease in held) == [permits.permit_key("k", i) for i in range(3)]
+    tokens = [lease.token for lease in held]
+    assert tokens == sorted(set(tokens))  # distinct, in grant order
+    with pytest.raises(LeaseBusy) as busy:
+        acquire("k", ttl=30, limit=3, task_id="t3", using=alias)
+    assert busy.value.holder == held[0].owner
+    assert held[1].release()
+    again = acquire("k", ttl=30, limit=3, task_id="t4", using=alias)
+    assert again.key == held[1].key  # the freed permit
+    assert again.token > max(tokens)
+    assert LeaseEvent.objects.using(alias).filter(kind="busy").count() == 1
+
+
+def test_tokens_stay_above_the_keys_plain_history(alias: str, dialect: str) -> None:
+    for _ in range(3):
+        acquire("k", ttl=30, using=alias).release()
+    first = acquire("k", ttl=30, limit=2, using=alias)
+    assert first.token > 3
+    with pytest.raises(FencedConfigurationError, match=r"lease_limit=2"):
+        acquire("k", ttl=30, using=alias)  # one holder beside the permits' holders: refused
+
+
+def test_a_plain_holder_keeps_the_key_busy_for_permits(alias: str, dialect: str) -> None:
+    plain = acquire("k", ttl=30, using=alias)
+    with pytest.raises(LeaseBusy):
+        acquire("k", ttl=30, limit=2, using=alias)
+    plain.release()
+    assert acquire("k", ttl=30, limit=2, using=alias).token > plain.token
+
+
+def test_expired_permit__taken_over__its_holder_fenced_out(alias: str, dialect: str) -> None:
+    first = acquire("k", ttl=30, limit=1, task_id="a", using=alias)
+    expire(alias, first.key)
+    second = acquire("k", ttl=30, limit=1, task_id="b", using=alias)
+    assert (second.key, second.reclaimed_from) == (first.key, first.owner)
+    assert second.token > first.token
+    with pytest.raises(LeaseLost):
+        first.renew()
+    with pytest.raises(StaleToken), first.guard():
+        pass
+    assert not first.release()
+    (event,) = LeaseEvent.objects.using(alias).filter(kind="reclaimed")
+    assert (event.token, event.detail["previous_token"]) == (second.token, first.token)
+
+
+def test_lowering_the_limit__grants_none_above_it(alias: str, dialect: str) -> None:
+    held = [acquire("k", ttl=30, limit=3, task_id=f"t{i}", using=alias) for i in range(3)]
+    held[0].release()
+    with pytest.raises(LeaseBusy):  # permits 1 and 2 are held: 2 of a limit of 2
+        acquire("k", ttl=30, limit=2, using=alias)
+    held[2].release()  # above the new limit: never granted again under it
+    lease = acquire("k", ttl=30, limit=2, using=alias)
+    assert lease.key == permits.permit_key("k", 0)
+    with pytest.raises(LeaseBusy):
+        acquire("k", ttl=30, limit=2, using=alias)
+
+
+def test_a_completed_job__is_a_duplicate_under_any_permit(alias: str, dialect: str) -> None:
+    delivery = Delivery("job-1", "digest-1", 0)
+    first = acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+    blocker = acquire("k", ttl=30, limit=2, task_id="other", using=alias)
+    assert first.release(state="SUCCESS")
+    blocker.release()
+    acquire("k", ttl=30, limit=2, task_id="other-2", using=alias)  # takes permit 0 again
+    with pytest.raises(AlreadyCompleted):
+        acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+
+
+def test_fenced_update__a_row_stamped_by_a_newer_permit_refuses_an_older_one(
+    alias: str, dialect: str
+) -> None:
+    report = Report.objects.using(alias).create(name="r")
+    older = acquire("k", ttl=30, limit=2, using=alias)
+    newer = acquire("k", ttl=30, limit=2, using=alias)
+    rows = Report.objects.using(alias).filter(pk=report.pk)
+    with newer.guard():
+        assert fenced_update(rows, token=newer.token, body="newer") == 1
+    with pytest.raises(StaleToken), older.guard():
+        fenced_update(rows, token=older.token, body="older")
+    assert rows.get().body == "newer"
+
+
+def test_separator_in_a_key__refused_by_name() -> None:
+    with pytest.raises(InvalidLeaseKey, match="unit separator"):
+        acquire("a\x1fb", ttl=30)
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5, "2", 10_001])
+def test_bad_limit__refused_by_name(limit: Any) -> None:
+    with pytest.raises(FencedConfigurationError, match="limit must be an integer from 1"):
+        acquire("k", ttl=30, limit=limit)
+
+
+def test_concurrent_acquirers__exactly_limit_granted() -> None:
+    """Twelve threads, four permits on PostgreSQL: four grants, eight busy, distinct
+    tokens — whether the one statement or the transaction grants each."""
+    postgres_alias = "postgres"
+    acquire("warm", ttl=30, limit=4, using=postgres_alias)  # the head and a permit row made
+    barrier = threading.Barrier(12)
+    granted: list[Any] = []
+    busy: list[Any] = []
+
+    def take(i: int) -> None:
+        try:
+            barrier.wait(30)
+            granted.append(acquire("c", ttl=30, limit=4, task_id=f"t{i}", using=postgres_alias))
+        except LeaseBusy as exc:
+            busy.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert (len(granted), len(busy)) == (4, 8)
+    assert len({lease.key for lease in granted}) == 4
+    assert len({lease.token for lease in granted}) == 4
+
+
+def test_postgresql__a_free_permit_is_granted_in_one_statement() -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.integration.test_store import data_statements
+
+    acquire("k", ttl=30, limit=3, using="postgres")  # the key's head and its first permit
+    with CaptureQueriesContext(connections["postgres"]) as queries:
+        lease = acquire("k", ttl=30, limit=3, task_id="t", using="postgres")
+    assert lease.key == permits.permit_key("k", 1)
+    assert len(data_statements(queries)) == 1
