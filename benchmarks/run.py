@@ -1,7 +1,7 @@
 """The benchmarks' one command: ``bash benchmarks/run.sh`` (that is ``python -m benchmarks``).
 
 Starts a throwaway PostgreSQL (with ``pg_stat_statements`` loaded, tracking off except
-while statements are counted) and Redis through ``devtools.services``, runs the five
+while statements are counted) and Redis through ``devtools.services``, runs the
 benchmarks, prints one table, writes it between the markers of ``docs/benchmarks.md``
 with a bar chart ``docs/benchmarks.svg``, and stops the servers.
 
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import e2e, locks, publish, renewal, report, scale
+from benchmarks import e2e, locks, permits, publish, renewal, report, scale
 from benchmarks.common import WORKER_ROLE, Context, Line, Profile, repo_root, worker_env
 
 PG_OPTIONS = "-c shared_preload_libraries=pg_stat_statements"
@@ -34,6 +34,7 @@ ROWS: dict[str, tuple[str, Callable[[Context], list[Line]]]] = {
     "scale": ("row 4: scale", scale.run),
     "renewal": ("row 5: renewal load", renewal.run),
     "publish": ("row 6: publishing through the outbox", publish.run),
+    "permits": ("row 7: permits", permits.run),
 }
 
 

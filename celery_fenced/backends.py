@@ -40,7 +40,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import outages, outbox, store, workflow
+from celery_fenced import keys, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -180,9 +180,30 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
 
             def attempt() -> None:
                 if self._may_record_elsewhere(task_id, state, request):
-                    self._untokened(task_id, state, request, drive)
+                    self._untokened(task_id, state, request, lambda: self._ended(drive, request))
 
             self._through_outages(task_id, self._untokened_aliases(), attempt)
+
+    def _ended(self, drive: Callable[[], None], request: Any) -> None:
+        """``drive()`` — an untokened final outcome of a fenced task (a time limit, a lost
+        worker) — and the end of its job with it: the outbox does not send it again (its
+        row there, handed over when another job took its expired grant over, goes) and a
+        copy already sent is skipped as a completed duplicate, as when that outcome
+        force-releases the execution's own grant."""
+        from celery_fenced.execution import FencedExecution
+
+        drive()
+        task_id = getattr(request, "id", None)
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        if not task_id or not isinstance(task, FencedExecution):
+            return
+        alias = store.database_alias()
+        store.forget_pending(alias, task_id)
+        args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+        if isinstance(args, list | tuple) and isinstance(kwargs, dict):
+            retries = int(getattr(request, "retries", 0) or 0)
+            digest = keys.message_digest(task_id, task.name, args, kwargs)
+            store.mark_ended(alias, store.Delivery(task_id, digest, retries))
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -429,9 +450,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 # chain's remaining steps, the chord, the errbacks), so that a caller
                 # waiting on it gets the error rather than waiting for ever.
                 workflow.restore_successors(request)
-                # its job, handed to the outbox when the other job took its key over,
-                # is not sent again: this is its outcome
+                # this is its outcome: its job, handed to the outbox when the other job
+                # took its key over, is not sent again, and a copy already sent (or
+                # its busy retry) is skipped as a completed duplicate
                 store.forget_pending(lease.alias, task_id)
+                if lease.delivery is not None:
+                    store.mark_ended(lease.alias, lease.delivery)
                 request._fenced_lease = None  # the row is written as checked, untokened
                 try:
                     DatabaseBackend.mark_as_failure(self, task_id, stale, None, request)

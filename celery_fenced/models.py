@@ -65,6 +65,13 @@ class Lease(models.Model):
     reclaim_claimed_at = models.DateTimeField(
         null=True, blank=True, help_text="When the reclaimer last claimed this lease."
     )
+    permit_job = models.CharField(  # noqa: DJ001
+        max_length=32,
+        null=True,
+        blank=True,
+        help_text="On a permit's row: a digest of the key and the task id of its grant. "
+        "Unique among unreleased permits: one job holds one permit of a key at a time.",
+    )
     permits = models.PositiveIntegerField(
         default=0,
         help_text="lease_limit: on a key's own row, how many permit rows the key has (each "
@@ -98,6 +105,11 @@ class Lease(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["key"], name="celery_fenced_lease_key_uniq"),
             _check(Q(token__gte=0), "celery_fenced_lease_token_not_negative"),
+            models.UniqueConstraint(
+                fields=["permit_job"],
+                condition=Q(released_at__isnull=True, permit_job__isnull=False),
+                name="celery_fenced_lease_one_permit_per_job",
+            ),
             _check(Q(expires_at__gte=models.F("acquired_at")), "celery_fenced_lease_expiry_order"),
         ]
         indexes = [

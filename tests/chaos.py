@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import datetime as dt
 import json
 import os
@@ -769,6 +770,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     status = {task_id: r.status for task_id, r in results.items()}
     slots = {s.job: s for s in ChaosSlot.objects.all()}
 
+    from celery_fenced import permits
     from testproject.demo.chaos_tasks import PERMITS, read_trace
 
     runs, sent = workload.index(read_trace())
@@ -851,12 +853,17 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
                     f"{entry.grant_seen}{' and its grant had ended' if entry.end_seen else ''}",
                 )
 
-    # 3. tokens strictly increase per key (by one per grant, in the order granted)
+    # 3. tokens strictly increase per key (by one per grant, in the order granted); a
+    # permit's row: increasing (the key's one sequence across its permits, (g) below)
     leases = {lease.key: lease for lease in Lease.objects.all()}
     for key, evs in history.items():
         tokens = [e.token for e in evs if e.kind in GRANTS]
         times = [e.at for e in evs if e.kind in GRANTS]
-        if tokens != list(range(1, len(tokens) + 1)) or times != sorted(times):
+        if permits.split(key)[1] is not None:
+            ordered = all(a < b for a, b in itertools.pairwise(tokens))
+        else:
+            ordered = tokens == list(range(1, len(tokens) + 1))
+        if not ordered or times != sorted(times):
             violation("tokens", key, f"{key!r}: grants not 1, 2, 3, … in grant order: {tokens}")
         if tokens and leases[key].token != tokens[-1]:
             violation(

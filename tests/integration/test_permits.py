@@ -177,3 +177,56 @@ def test_postgresql__a_free_permit_is_granted_in_one_statement() -> None:
         lease = acquire("k", ttl=30, limit=3, task_id="t", using="postgres")
     assert lease.key == permits.permit_key("k", 1)
     assert len(data_statements(queries)) == 1
+
+
+# -- through Celery's tracer ---------------------------------------------------------------
+def test_tracer__two_run_at_once__a_third_waits__a_stale_permit_holders_result_refused(
+    broker: Any, lease_db: str
+) -> None:
+    """``lease_limit=2`` through Celery's tracer: A and B hold the two permits; C finds
+    the key busy (retried); A's permit expires and C takes it over; A wakes: its result
+    is refused (FAILURE(StaleToken): another job holds its permit), B's and C's stand."""
+    from celery import states
+
+    from tests.integration.test_seams import Execution, deliver, expire, status
+
+    app = broker.app
+    for tile in ("a", "b", "c"):
+        app.signature("seams.permit", (7, tile)).apply_async(task_id=tile)
+    a_msg, b_msg, c_msg = broker.sent("seams.permit")
+    a = Execution(app, a_msg, "A")
+    lease_a = _granted_permit(lease_db, "a")
+    b = Execution(app, b_msg, "B")
+    lease_b = _granted_permit(lease_db, "b")
+    assert {lease_a.key, lease_b.key} == {permits.permit_key("tiles:7", i) for i in (0, 1)}
+    deliver(app, c_msg)  # busy: both permits held — retried (fenced_on_busy)
+    assert broker.sent("seams.permit")[-1][0]["id"] == "c"
+    assert not Lease.objects.using(lease_db).filter(task_id="c").exists()
+    expire(lease_db, lease_a)
+    c = Execution(app, broker.sent("seams.permit")[-1], "C")
+    lease_c = _granted_permit(lease_db, "c")
+    assert lease_c.key == lease_a.key
+    assert lease_c.token > lease_b.token > lease_a.token
+    a.finish()
+    b.finish()
+    c.finish()
+    row_status, result = status(lease_db, "a")
+    assert (row_status, "StaleToken" in result) == (states.FAILURE, True)
+    assert status(lease_db, "b") == (states.SUCCESS, f'"b@{lease_b.token}"')
+    assert status(lease_db, "c") == (states.SUCCESS, f'"c@{lease_c.token}"')
+    assert (
+        not Lease.objects.using(lease_db)
+        .filter(key__startswith="tiles:7" + permits.SEPARATOR, released_at__isnull=True)
+        .exists()
+    )
+
+
+def _granted_permit(alias: str, task_id: str) -> Lease:
+    from tests.integration.test_seams import wait_for
+
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (
+            Lease.objects.using(alias).filter(task_id=task_id, released_at__isnull=True).first()
+        ),
+        f"a permit of task {task_id}",
+    )

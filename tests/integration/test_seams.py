@@ -76,6 +76,19 @@ def make_app() -> Celery:
         _gate("seams.keyed", report_id)
         return f"{report_id}@{self.request.fencing_token}"
 
+    @app.task(
+        name="seams.permit",
+        bind=True,
+        base=FencedTask,
+        shared=False,
+        lease_ttl=30,
+        lease_key="tiles:{customer}",
+        lease_limit=2,
+    )
+    def permit(self: Any, customer: int, tile: int) -> str:
+        _gate("seams.permit", tile)
+        return f"{tile}@{self.request.fencing_token}"
+
     @app.task(name="seams.tracked", bind=True, base=FencedTask, shared=False, track_started=True)
     def tracked(self: Any, value: str) -> str:
         return f"{value}@{self.request.fencing_token}"

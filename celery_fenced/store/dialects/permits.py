@@ -14,6 +14,7 @@ grants most permits in one statement first (:mod:`.postgresql`); this is its slo
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -72,8 +73,10 @@ class PermitGrants:
         if delivery is not None and self._permit_completed(names, delivery, request.window):
             return Completed(request.task_id, delivery.retries)
         held = [row for row in found.values() if _live(row, now)]
-        if len(held) >= limit:
-            first = min(held, key=lambda row: row.expires_at)
+        job = permit_job(key, request.task_id)
+        mine = [row for row in held if job is not None and row.permit_job == job]
+        if len(held) >= limit or mine:  # all taken, or this job runs under another one
+            first = mine[0] if mine else min(held, key=lambda row: row.expires_at)
             self._event(
                 head.pk,
                 Kind.BUSY,
@@ -110,41 +113,53 @@ class PermitGrants:
             found.update(
                 (row.key, row) for row in rows.select_for_update().filter(key__in=missing)
             )
-        row = _choose(found, names[:limit], request.task_id, now)
+        row = _choose(found, names[:limit], job, now)
         assert row is not None  # fewer than limit held: one of the first limit is free
-        token = self._permit_token(head, found.values())
-        reclaimed_from = row.owner if row.released_at is None else ""
-        same_job = row.released_at is None and row.task_id == request.task_id != ""
-        if reclaimed_from:
-            self._requeue_displaced(
-                Displaced(
-                    row.key,
-                    row.task_id,
-                    row.task_name,
-                    row.job,
-                    False,
-                    row.reclaim_state,
-                    row.reclaim_attempts,
-                ),
-                request.task_id,
+        try:  # a delivery of the same job granted another permit meanwhile (PostgreSQL)
+            with transaction.atomic(using=self.alias):
+                token = self._permit_token(head, found.values())
+                reclaimed_from = row.owner if row.released_at is None else ""
+                same_job = row.released_at is None and row.task_id == request.task_id != ""
+                if reclaimed_from:
+                    self._requeue_displaced(
+                        Displaced(
+                            row.key,
+                            row.task_id,
+                            row.task_name,
+                            row.job,
+                            False,
+                            row.reclaim_state,
+                            row.reclaim_attempts,
+                        ),
+                        request.task_id,
+                    )
+                previous_start = row.acquired_at
+                rows.filter(pk=row.pk).update(
+                    token=token,
+                    owner=request.owner,
+                    task_id=request.task_id,
+                    task_name=request.task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=now + dt.timedelta(seconds=request.ttl),
+                    released_at=None,
+                    release_state="",
+                    reclaimed_from=reclaimed_from,
+                    job=request.job,
+                    reclaim_attempts=row.reclaim_attempts if same_job else 0,
+                    reclaim_state="",
+                    reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
+                    permit_job=job,
+                )
+        except IntegrityError:
+            other = rows.filter(permit_job=job, released_at__isnull=True).first()
+            expires = other.expires_at if other is not None else now
+            return Holder(
+                other.token if other is not None else 0,
+                other.owner if other is not None else "",
+                expires,
+                max((expires - now).total_seconds(), 0.0),
             )
-        previous_start = row.acquired_at
-        rows.filter(pk=row.pk).update(
-            token=token,
-            owner=request.owner,
-            task_id=request.task_id,
-            task_name=request.task_name,
-            acquired_at=now,
-            renewed_at=now,
-            expires_at=now + dt.timedelta(seconds=request.ttl),
-            released_at=None,
-            release_state="",
-            reclaimed_from=reclaimed_from,
-            job=request.job,
-            reclaim_attempts=row.reclaim_attempts if same_job else 0,
-            reclaim_state="",
-            reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
-        )
         if reclaimed_from:
             detail = {
                 "previous_owner": reclaimed_from,
@@ -232,16 +247,24 @@ class PermitGrants:
         return marked.exists() or moved.exists()
 
 
+def permit_job(key: str, task_id: str) -> str | None:
+    """What a permit's row records of its grant's job (``Lease.permit_job``): unique among
+    a database's unreleased permits, so one job holds one permit of a key at a time."""
+    if not task_id:
+        return None
+    return hashlib.md5(f"{key}{permits.SEPARATOR}{task_id}".encode()).hexdigest()
+
+
 def _live(row: Lease, now: dt.datetime) -> bool:
     return row.released_at is None and row.expires_at > now
 
 
 def _choose(
-    found: dict[str, Lease], names: list[str], task_id: str, now: dt.datetime
+    found: dict[str, Lease], names: list[str], job: str | None, now: dt.datetime
 ) -> Lease | None:
     """The permit row to grant: the same job's own expired one, else the lowest free one."""
     free = [found[name] for name in names if name in found and not _live(found[name], now)]
-    own = [row for row in free if row.released_at is None and task_id and row.task_id == task_id]
+    own = [row for row in free if row.released_at is None and job and row.permit_job == job]
     if own or free:
         return (own or free)[0]
     return None

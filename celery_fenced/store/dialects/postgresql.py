@@ -106,39 +106,56 @@ class PostgreSQL(SQLDialect):
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
         if request.limit is not None:
             return self._grant_permit(request)
-        key, owner, task_id, delivery = (
-            request.key,
-            request.owner,
-            request.task_id,
-            request.delivery,
-        )
+        key, task_id, delivery = request.key, request.task_id, request.delivery
         granted = self._routine_grant(request)
         if granted is not None:
             return granted
         unless_completed, params = self._grant_params(request)
-        grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
-        # a takeover is always recorded, and the job it displaces handed to the outbox
-        rows = self._grant_with_event(grant, params, request, takeover=True)
-        if rows:
-            return _grant(rows[0])
-        # not granted (rare): a completed duplicate, or the key is held
-        if (
-            delivery is not None
-            and unless_completed
-            and self.completed(key, delivery, request.window)
-        ):
-            return Completed(task_id, delivery.retries)
-        rows = self._fetch(
-            f"""WITH holder AS ({self._busy_select()}),
+        grant = (
+            self._upsert(unless_completed=True, unchanged=True)
+            if unless_completed
+            else self._upsert(unchanged=True)
+        )
+        for attempt in range(3):
+            # a takeover is always recorded, and the job it displaces handed to the outbox
+            rows = self._grant_with_event(grant, [*params, key], request, takeover=True)
+            if rows:
+                return _grant(rows[0])
+            # not granted (rare): a completed duplicate, the key held, or the row changed
+            # after this statement's snapshot (then granted again, from a new one)
+            if (
+                delivery is not None
+                and unless_completed
+                and self.completed(key, delivery, request.window)
+            ):
+                return Completed(task_id, delivery.retries)
+            rows = self._busy(request, last=attempt == 2)
+            if rows:
+                return holder_of(rows)
+        return holder_of([])
+
+    def _busy(self, request: GrantRequest, *, last: bool) -> list[tuple[Any, ...]]:
+        """The busy event and the end of the job's pending row, with the holder; none
+        when the row is free by now (unless ``last``): the grant is tried again."""
+        held = "TRUE" if last else "released_at IS NULL AND expires_at > statement_timestamp()"
+        return self._fetch(
+            f"""WITH holder AS (
+                    SELECT id, token, owner, expires_at,
+                           {self.remaining("expires_at")} AS remaining
+                    FROM {LEASE} WHERE key = %s AND {held}),
                 ev AS (
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, {SQL_BUSY}, token, %s, %s, statement_timestamp(),
                            jsonb_build_object('holder', owner)
                     FROM holder){self._end_pending(granted=False) if request.ends_pending else ""}
                 SELECT token, owner, expires_at, remaining FROM holder""",
-            [key, task_id, owner, *self._end_pending_params(request, granted=False)],
+            [
+                request.key,
+                request.task_id,
+                request.owner,
+                *self._end_pending_params(request, granted=False),
+            ],
         )
-        return holder_of(rows)
 
     def record_unique_pending(self, pending: Pending) -> str:
         """:meth:`PortableOperations.record_unique_pending` without a lock on the copy
@@ -264,9 +281,10 @@ class PostgreSQL(SQLDialect):
         ends a row that has not started: the job is skipped, failed, or retried (and
         recorded again by its retry); a started row is the running copy's.
         """
-        if not granted:
+        if not granted:  # only when the statement's ``holder`` CTE found the key held
             return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND started_token IS NULL)"""
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND started_token IS NULL
+                         AND EXISTS (SELECT 1 FROM holder))"""
         return f""",
                 pend AS (DELETE FROM {PENDING} WHERE task_id = %s
                          AND EXISTS (SELECT 1 FROM granted))"""
@@ -475,7 +493,7 @@ class PostgreSQL(SQLDialect):
             else ""
         )
         same = "l.released_at IS NULL AND l.task_id = %s AND l.task_id <> ''"
-        rows = self._fetch(
+        rows = self._unless_conflicting(
             f"""WITH head AS (
                     SELECT token, permits FROM {LEASE}
                     WHERE key = %s AND permits >= %s AND released_at IS NOT NULL),
@@ -492,6 +510,10 @@ class PostgreSQL(SQLDialect):
                             AND x.released_at IS NULL
                             AND x.expires_at > statement_timestamp())
                       {completed}
+                      AND NOT EXISTS (  -- this job holds another permit of the key
+                          SELECT 1 FROM {LEASE} s
+                          WHERE s.permit_job = md5(%s || chr(31) || %s)
+                            AND s.released_at IS NULL AND s.id <> p.id)
                     ORDER BY (p.released_at IS NULL AND p.task_id = %s) DESC, p.id
                     LIMIT 1 FOR UPDATE SKIP LOCKED),
                 granted AS (
@@ -505,9 +527,12 @@ class PostgreSQL(SQLDialect):
                         job = %s,
                         reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
                         reclaim_state = '',
-                        reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
+                        reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END,
+                        permit_job = CASE WHEN %s <> '' THEN md5(%s || chr(31) || %s) END
                     FROM pick WHERE l.id = pick.id
                       AND (l.released_at IS NOT NULL OR l.expires_at <= statement_timestamp())
+                      -- the row this statement's snapshot read, not a grant made since
+                      AND l.token = (SELECT s.token FROM {LEASE} s WHERE s.id = pick.id)
                     RETURNING l.id, l.token, l.expires_at, l.reclaimed_from,
                               l.completed_digest, l.key),
                 ev AS (
@@ -541,6 +566,8 @@ class PostgreSQL(SQLDialect):
                     if unless_completed and delivery is not None
                     else []
                 ),
+                request.key,
+                request.task_id,
                 request.task_id,
                 request.owner,
                 request.task_id,
@@ -548,6 +575,9 @@ class PostgreSQL(SQLDialect):
                 self.ttl_param(request.ttl),
                 request.job,
                 request.task_id,
+                request.task_id,
+                request.task_id,
+                request.key,
                 request.task_id,
                 request.task_id,
                 request.owner,
@@ -560,6 +590,24 @@ class PostgreSQL(SQLDialect):
             lease_id, token, expires_at, reclaimed_from, marker, key = rows[0]
             return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key)
         return super().acquire(request)
+
+    def _unless_conflicting(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+        """``sql``'s rows; none when it broke a unique constraint — a delivery of the same
+        job granted another permit of the key meanwhile (the transaction then decides).
+        In a transaction of the caller's, the statement runs in a savepoint."""
+        from django.db import IntegrityError
+
+        connection = self.connection
+        savepoint = connection.savepoint() if connection.in_atomic_block else None
+        try:
+            rows = self._fetch(sql, params)
+        except IntegrityError:
+            if savepoint is not None:
+                connection.savepoint_rollback(savepoint)
+            return []
+        if savepoint is not None:
+            connection.savepoint_commit(savepoint)
+        return rows
 
     def _permit_token(self, head: Any, rows: Any) -> int:
         """The head's floor plus the sequence's next value (see :meth:`_grant_permit`)."""

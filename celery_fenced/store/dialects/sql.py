@@ -105,7 +105,9 @@ class SQLDialect(PortableOperations):
     def now(self) -> dt.datetime:
         return aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
 
-    def _upsert(self, unless_completed: bool = False, *, routine: bool = False) -> str:
+    def _upsert(
+        self, unless_completed: bool = False, *, routine: bool = False, unchanged: bool = False
+    ) -> str:
         """The grant: one ``INSERT … ON CONFLICT DO UPDATE … WHERE … RETURNING``.
 
         Parameters: key, owner, task id, task name, ttl, job; with ``unless_completed``
@@ -120,6 +122,11 @@ class SQLDialect(PortableOperations):
         released — without what a takeover needs; it grants nothing otherwise (a takeover,
         a held key, a duplicate: then the full statement decides). The head of a key's
         permits (``lease_limit``: :mod:`celery_fenced.permits`) is never granted here.
+
+        ``unchanged``: only over the row the statement's snapshot read (one more
+        parameter, the key, last): a grant committed while this statement waited for the
+        row is not taken over blind — what the statement reads of the row before it
+        (the job it hands to the outbox) is that row's.
         """
         now = self.NOW
         # a re-delivery of the same unfinished task keeps its reclaim count
@@ -157,7 +164,9 @@ class SQLDialect(PortableOperations):
                 reclaim_attempts = CASE WHEN {same} THEN l.reclaim_attempts ELSE 0 END,
                 reclaim_state = '',
                 reclaim_claimed_at = CASE WHEN {same} THEN l.reclaim_claimed_at END
-            WHERE {free} AND l.permits = 0 {unmarked}
+            WHERE {free} AND l.permits = 0 {unmarked}{
+            f" AND l.token = (SELECT s.token FROM {LEASE} s WHERE s.key = %s)" if unchanged else ""
+        }
             RETURNING id, token, expires_at, reclaimed_from, completed_digest"""
 
     def _completed_sql(self) -> str:
