@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import datetime as dt
+import itertools
 import json
 import os
 import random
