@@ -91,6 +91,22 @@ def test_expired_permit__taken_over__its_holder_fenced_out(alias: str, dialect: 
     assert (event.token, event.detail["previous_token"]) == (second.token, first.token)
 
 
+def test_one_job_holds_one_permit__a_redelivery_is_busy_then_takes_its_own_back(
+    alias: str, dialect: str
+) -> None:
+    """Two deliveries of one job (a redelivery, an outbox re-send) never run at once on two
+    permits: the second finds the key busy with the first; once the first's permit has
+    expired, the job takes that same permit over (a takeover of its own grant)."""
+    first = acquire("k", ttl=30, limit=3, task_id="job-1", using=alias)
+    with pytest.raises(LeaseBusy) as busy:
+        acquire("k", ttl=30, limit=3, task_id="job-1", using=alias)
+    assert busy.value.holder == first.owner
+    acquire("k", ttl=30, limit=3, task_id="job-2", using=alias)  # another job: a permit
+    expire(alias, first.key)
+    again = acquire("k", ttl=30, limit=3, task_id="job-1", using=alias)
+    assert (again.key, again.reclaimed_from) == (first.key, first.owner)
+
+
 def test_lowering_the_limit__grants_none_above_it(alias: str, dialect: str) -> None:
     held = [acquire("k", ttl=30, limit=3, task_id=f"t{i}", using=alias) for i in range(3)]
     held[0].release()
@@ -230,3 +246,29 @@ def _granted_permit(alias: str, task_id: str) -> Lease:
         ),
         f"a permit of task {task_id}",
     )
+
+
+def test_concurrent_deliveries_of_one_job__one_permit_granted() -> None:
+    """Six threads deliver the same job at once on PostgreSQL, four permits free: one
+    grant — the database's unique index on the job's permit decides, not a read."""
+    alias = "postgres"
+    acquire("one", ttl=30, limit=4, task_id="warm", using=alias).release()
+    barrier = threading.Barrier(6)
+    granted: list[Any] = []
+    busy: list[Any] = []
+
+    def take() -> None:
+        try:
+            barrier.wait(30)
+            granted.append(acquire("one", ttl=30, limit=4, task_id="job-1", using=alias))
+        except LeaseBusy as exc:
+            busy.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert (len(granted), len(busy)) == (1, 5)
