@@ -272,3 +272,38 @@ def test_concurrent_deliveries_of_one_job__one_permit_granted() -> None:
     for thread in threads:
         thread.join(60)
     assert (len(granted), len(busy)) == (1, 5)
+
+
+@pytest.mark.parametrize(
+    ("tasks", "default", "fragment"),
+    [
+        ({"x.*": {"limit": 0}}, None, r"fenced_tasks\['x\.\*'\] limit must be an integer"),
+        ({"x.*": {"limit": "3"}}, None, "limit must be an integer from 1 to 10000"),
+        (
+            {"x.*": {"limit": 2, "unique": "until_done"}},
+            None,
+            "unique='until_done' keeps one copy queued or running",
+        ),
+        ({}, True, "fenced_default_limit must be an integer"),
+    ],
+)
+def test_invalid_limit__named_at_start(tasks: Any, default: Any, fragment: str) -> None:
+    from celery import Celery
+
+    from celery_fenced.conf import load
+
+    app = Celery("permits-conf", set_as_current=False)
+    app.conf.fenced_tasks = tasks
+    app.conf.fenced_default_limit = default
+    with pytest.raises(FencedConfigurationError, match=fragment):
+        load(app)
+
+
+def test_fenced_task__lease_limit_checked_at_definition() -> None:
+    from celery_fenced import FencedTask
+
+    with pytest.raises(FencedConfigurationError, match="option lease_limit must be an integer"):
+
+        class Bad(FencedTask):  # type: ignore[misc]
+            name = "bad"
+            lease_limit = -2
