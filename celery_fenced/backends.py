@@ -433,6 +433,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             task_id=task_id,
             owner=lease.owner,
             what=f"{status} result",
+            task_name=lease.task_name,
         )
         if current_task == task_id and (newer is not None or not ended):
             # A redelivery: the newer execution owns this task's result. Or this

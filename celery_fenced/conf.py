@@ -127,6 +127,25 @@ def validate_limit(value: object, name: str) -> int | None:
     return value
 
 
+def validate_metrics_port(value: object, name: str) -> int | None:
+    """``None`` or a TCP port (1 to 65535) for the worker's metrics; it needs
+    ``prometheus_client`` (the extra ``metrics``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise FencedConfigurationError(
+            f"{name} must be a TCP port (an integer from 1 to 65535) or None, got {value!r}"
+        )
+    from celery_fenced import metrics
+
+    if not metrics.available():
+        raise FencedConfigurationError(
+            f"{name} needs prometheus_client: pip install 'celery-fenced[metrics]' "
+            "(or set it to None)"
+        )
+    return value
+
+
 def validate_renew_interval(value: object, ttl: float, name: str) -> float:
     interval = validate_ttl(value, name)
     if interval >= ttl:
@@ -186,6 +205,8 @@ class FencedSettings:
     outbox_resend_after: float = 300.0
     #: permits per key of tasks that set no ``lease_limit`` (None: one holder)
     default_limit: int | None = None
+    #: a worker serves its Prometheus metrics on this port (None: it does not)
+    metrics_port: int | None = None
 
     @property
     def routine_events(self) -> bool:
@@ -426,6 +447,7 @@ def _load(app: Any) -> FencedSettings:
             raw["fenced_outbox_resend_after"], "fenced_outbox_resend_after"
         ),
         default_limit=validate_limit(raw["fenced_default_limit"], "fenced_default_limit"),
+        metrics_port=validate_metrics_port(raw["fenced_metrics_port"], "fenced_metrics_port"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

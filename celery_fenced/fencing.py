@@ -132,4 +132,5 @@ def fenced_update(
             task_id=lease.task_id if lease else "",
             owner=lease.owner if lease else "",
             what=f"update of {model._meta.label}",
+            task_name=lease.task_name if lease else "",
         ) from None

@@ -8,6 +8,7 @@ The receivers only *install* fencing (they give a selected task the class behavi
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -230,6 +231,27 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     _at_ready[:] = [*(_describe(w) for w in warnings), startup.summary(app)]
     if any_fenced:
         _check_tables()
+    _serve_metrics(app)
+
+
+def _serve_metrics(app: Any) -> None:
+    """``fenced_metrics_port``: the worker's exporter, started before its pool forks."""
+    from celery_fenced import conf, metrics
+
+    port = conf.load(app).metrics_port
+    if port is None:
+        return
+    if "prometheus_client" in sys.modules and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _at_ready.insert(
+            0,
+            "prometheus_client was imported before the worker started: its pool processes' "
+            "numbers are not in the metrics unless PROMETHEUS_MULTIPROC_DIR is set in the "
+            "worker's environment",
+        )
+    try:
+        metrics.serve_worker(port)
+    except OSError as exc:
+        _stop(f"fenced_metrics_port: cannot serve metrics on port {port}: {exc}")
 
 
 #: What :func:`on_worker_init` found, logged by :func:`on_worker_ready`.
@@ -287,8 +309,9 @@ def on_worker_process_init(**kwargs: Any) -> None:
 
 
 def on_process_shutdown(**kwargs: Any) -> None:
-    """On a warm shutdown, release what this process still holds; close its connections."""
-    from celery_fenced import store
+    """On a warm shutdown, release what this process still holds; close its connections;
+    its metrics' live gauges stop counting."""
+    from celery_fenced import metrics, store
     from celery_fenced.renewal import renewer
 
     for lease in renewer().held():
@@ -298,6 +321,7 @@ def on_process_shutdown(**kwargs: Any) -> None:
         except Exception:
             logger.warning("could not release %r at shutdown", lease.key, exc_info=True)
     store.close_kept_connections()
+    metrics.process_ended()
 
 
 def on_task_revoked(request: Any = None, sender: Any = None, **kwargs: Any) -> None:

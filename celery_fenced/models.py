@@ -122,6 +122,13 @@ class Lease(models.Model):
                 name="celery_fenced_lease_reclaim",
                 condition=Q(released_at__isnull=True, job__isnull=False),
             ),
+            # the unreleased grants: held, or expired and never released (the metrics'
+            # gauges count them without reading the released rest)
+            models.Index(
+                fields=["expires_at"],
+                name="celery_fenced_lease_unreleased",
+                condition=Q(released_at__isnull=True),
+            ),
         ]
         permissions = [("force_release_lease", "Can force-release a lease")]
 

@@ -349,6 +349,7 @@ def _deduplicated(
         token=token,
         owner=owner,
         task_id=standing,
+        task_name=pending.task_name,
         refused_task_id=pending.task_id,
     )
     result: AsyncResult[Any] = task.AsyncResult(standing)  # type: ignore[attr-defined]
@@ -546,4 +547,13 @@ def _signal(signal: Any, due: store.Due, **extra: Any) -> None:
     """A lease signal for a pending job: its key, no token (it was never granted)."""
     from celery_fenced.models import Lease
 
-    signals.send(signal, Lease, key=due.key, token=None, owner="", task_id=due.task_id, **extra)
+    signals.send(
+        signal,
+        Lease,
+        key=due.key,
+        token=None,
+        owner="",
+        task_id=due.task_id,
+        task_name=due.task_name,
+        **extra,
+    )

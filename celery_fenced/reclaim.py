@@ -345,6 +345,7 @@ def _signal(signal: Signal, claim: store.Claim, **extra: Any) -> None:
         token=claim.token,
         owner=claim.owner,
         task_id=claim.task_id,
+        task_name=claim.task_name,
         **extra,
     )
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from django.db import connections
 
-from celery_fenced import store
+from celery_fenced import metrics, store
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Renewer:
         try:
             with store.time_limited(alias, seconds):
                 renewed = store.renew_many(alias, group)
+            metrics.observe_renewal(time.monotonic() - sent, len(group))
         except Exception as exc:
             locked = _timed_out(exc)
             logger.warning(

@@ -153,5 +153,7 @@ if os.environ.get("FENCED_OUTBOX"):  # "0": publish without the outbox (the chao
     CELERY_FENCED_OUTBOX = os.environ["FENCED_OUTBOX"] == "1"
 if os.environ.get("FENCED_OUTBOX_RESEND_AFTER"):  # seconds (the chaos runner: short)
     CELERY_FENCED_OUTBOX_RESEND_AFTER = float(os.environ["FENCED_OUTBOX_RESEND_AFTER"])
+if os.environ.get("FENCED_METRICS_PORT"):  # a worker's Prometheus exporter (the tests)
+    CELERY_FENCED_METRICS_PORT = int(os.environ["FENCED_METRICS_PORT"])
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])

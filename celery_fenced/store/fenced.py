@@ -33,6 +33,7 @@ def reject_stale(
     task_id: str = "",
     owner: str = "",
     what: str = "write",
+    task_name: str = "",
 ) -> StaleToken:
     """Record, signal and log a refused write; return the :class:`StaleToken` to raise."""
     logger.warning(
@@ -62,7 +63,9 @@ def reject_stale(
         token=token,
         owner=owner,
         task_id=task_id,
+        task_name=task_name,
         current=current,
+        what=what,
     )
     return StaleToken(key, token, current)
 
@@ -111,6 +114,7 @@ def fenced_transaction(
             task_id=lease.task_id if lease else "",
             owner=lease.owner if lease else "",
             what=what,
+            task_name=lease.task_name if lease else "",
         ) from None
 
 

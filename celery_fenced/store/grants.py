@@ -13,7 +13,13 @@ from celery_fenced import conf, signals
 from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import Completed, Delivery, GrantRequest, Holder
+from celery_fenced.store.dialects.records import (
+    Completed,
+    Delivery,
+    Grant,
+    GrantRequest,
+    Holder,
+)
 from celery_fenced.store.held import HeldLease
 from celery_fenced.store.outbox import forget_pending
 from celery_fenced.store.validation import (
@@ -108,6 +114,7 @@ def acquire(
             token=outcome.token,
             owner=owner,
             task_id=task_id,
+            task_name=task_name,
             holder=outcome.owner,
         )
         raise LeaseBusy(
@@ -125,6 +132,7 @@ def acquire(
         ttl=seconds,
         alias=alias,
         task_id=task_id,
+        task_name=task_name,
         reclaimed_from=outcome.reclaimed_from,
         renew_interval=renew_interval,
         delivery=delivery,
@@ -139,10 +147,21 @@ def acquire(
         token=lease.token,
         owner=owner,
         task_id=task_id,
+        task_name=task_name,
         reclaimed_from=outcome.reclaimed_from,
+        takeover_delay=_takeover_delay(outcome, seconds),
     )
     logger.debug("lease acquired", extra=lease._log_extra())
     return lease
+
+
+def _takeover_delay(grant: Grant, ttl: float) -> float | None:
+    """Seconds from the expiry of the grant a takeover took over to the takeover, by the
+    database's clock (the new grant began ``ttl`` before its expiry)."""
+    if not grant.reclaimed_from or grant.previous_expires_at is None:
+        return None
+    began = grant.expires_at - dt.timedelta(seconds=ttl)
+    return max((began - grant.previous_expires_at).total_seconds(), 0.0)
 
 
 def _refuse_permits_key(alias: str, key: str) -> None:
@@ -281,6 +300,7 @@ def record_duplicate(
         token=None,
         owner=owner,
         task_id=task_id,
+        task_name=detail.get("task", ""),
         retries=detail.get("retries"),
     )
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from celery_fenced import signals
+from celery_fenced import metrics, signals
 from celery_fenced.exceptions import LeaseLost
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -37,6 +37,7 @@ class HeldLease:
         ttl: float,
         alias: str,
         task_id: str = "",
+        task_name: str = "",
         reclaimed_from: str = "",
         renew_interval: float | None = None,
         delivery: Delivery | None = None,
@@ -51,6 +52,7 @@ class HeldLease:
         self.ttl = ttl
         self.alias = alias
         self.task_id = task_id
+        self.task_name = task_name
         self.reclaimed_from = reclaimed_from
         #: the task delivery this grant is for: its completion is marked at release
         self.delivery = delivery
@@ -61,6 +63,7 @@ class HeldLease:
         self.row_marker = row_marker
         self.renew_interval = renew_interval if renew_interval is not None else ttl / 3
         self.released = False
+        self._ended = False
         self._lost_reason: str | None = None
         # monotonic time when the last successful grant/renewal statement was *sent*:
         # the grant is known to run until at least this + ttl
@@ -150,12 +153,14 @@ class HeldLease:
         if ok:
             self.confirm_released()
         else:
+            self._end()
             self.released = True
             self.mark_lost("release refused: the grant had already ended")
         return ok
 
     def confirm_released(self) -> None:
         """This grant's release has committed: mark it released and tell the receivers."""
+        self._end()
         self.released = True
         signals.send(
             signals.lease_released,
@@ -164,13 +169,21 @@ class HeldLease:
             token=self.token,
             owner=self.owner,
             task_id=self.task_id,
+            task_name=self.task_name,
             forced=False,
         )
         logger.debug("lease released", extra=self._log_extra())
 
+    def _end(self) -> None:
+        """This process holds the grant no more (released, lost, forgotten): once."""
+        if not self._ended:
+            self._ended = True
+            metrics.lease_ended(self.task_name)
+
     def forget(self) -> None:
         """Stop holding this grant here without a statement: it expired with nobody taking
         over, and the retry that follows takes a new grant of the key."""
+        self._end()
         self.released = True
 
     @property
@@ -227,6 +240,7 @@ class HeldLease:
                     self._lost_reason = reason
                 return
             self._lost_reason = reason
+        self._end()
         logger.warning(
             "lease %r lost under token %s: %s",
             self.key,
@@ -254,6 +268,7 @@ class HeldLease:
             token=self.token,
             owner=self.owner,
             task_id=self.task_id,
+            task_name=self.task_name,
             reason=reason,
         )
 

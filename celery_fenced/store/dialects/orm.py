@@ -82,7 +82,7 @@ class ORMDialect(PortableOperations):
                 )
             else:
                 reclaimed_from = row.owner if row.released_at is None else ""
-                previous_start = row.acquired_at
+                previous_start, previous_end = row.acquired_at, row.expires_at
                 displaced = Displaced(
                     row.key,
                     row.task_id,
@@ -129,7 +129,13 @@ class ORMDialect(PortableOperations):
                 self._event(
                     row.pk, Kind.ACQUIRED, row.token, request.task_id, request.owner, now, {}
                 )
-            return Grant(row.pk, row.token, expires, reclaimed_from)
+            return Grant(
+                row.pk,
+                row.token,
+                expires,
+                reclaimed_from,
+                previous_expires_at=previous_end if reclaimed_from else None,
+            )
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         renewed: dict[tuple[str, int], dt.datetime] = {}

@@ -170,7 +170,8 @@ class PermitGrants:
         if not reclaimed_from and request.routine_events:
             self._event(row.pk, Kind.ACQUIRED, token, request.task_id, request.owner, now, {})
         expires = now + dt.timedelta(seconds=request.ttl)
-        return Grant(row.pk, token, expires, reclaimed_from, None, row.key)
+        previous = row.expires_at if reclaimed_from else None
+        return Grant(row.pk, token, expires, reclaimed_from, None, row.key, previous)
 
     def _head(self, request: GrantRequest) -> Lease | Holder:
         """The key's own row, locked, marked as the head of ``request.limit`` permits (made

@@ -429,7 +429,9 @@ class PostgreSQL(SQLDialect):
                 if request.ends_pending
                 else ""
             }
-                SELECT id, token, expires_at, reclaimed_from, completed_digest FROM granted""",
+                SELECT id, token, expires_at, reclaimed_from, completed_digest,
+                       (SELECT p.expires_at FROM {LEASE} p WHERE p.id = granted.id)
+                FROM granted""",
             [
                 *params,
                 request.task_id,
@@ -554,7 +556,8 @@ class PostgreSQL(SQLDialect):
                 if request.ends_pending
                 else ""
             }
-                SELECT id, token, expires_at, reclaimed_from, completed_digest, key
+                SELECT id, token, expires_at, reclaimed_from, completed_digest, key,
+                       (SELECT p.expires_at FROM {LEASE} p WHERE p.id = granted.id)
                 FROM granted""",
             [
                 request.key,
@@ -587,8 +590,9 @@ class PostgreSQL(SQLDialect):
             ],
         )
         if rows:
-            lease_id, token, expires_at, reclaimed_from, marker, key = rows[0]
-            return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key)
+            lease_id, token, expires_at, reclaimed_from, marker, key, before = rows[0]
+            previous = aware(before) if reclaimed_from and before is not None else None
+            return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key, previous)
         return super().acquire(request)
 
     def _unless_conflicting(self, sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
@@ -726,5 +730,10 @@ class PostgreSQL(SQLDialect):
 
 
 def _grant(row: tuple[Any, ...]) -> Grant:
-    lease_id, token, expires_at, reclaimed_from, marker = row
-    return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker)
+    """A grant from its statement's row; a takeover's row also has the expiry of the grant
+    it took over (read from the statement's snapshot: the row before it)."""
+    lease_id, token, expires_at, reclaimed_from, marker, *previous = row
+    before = (
+        aware(previous[0]) if previous and previous[0] is not None and reclaimed_from else None
+    )
+    return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, "", before)

@@ -91,6 +91,8 @@ class Grant:
     marker: str | None = None
     #: the granted row's key when it is not the requested one: a permit's
     key: str = ""
+    #: a takeover's: when the grant it took over had expired (the database's clock)
+    previous_expires_at: dt.datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class SQLite(SQLDialect):
             before = self._fetch(
                 f"""UPDATE {LEASE} SET token = token WHERE key = %s
                     RETURNING acquired_at, task_id, task_name, job, released_at,
-                              reclaim_state, reclaim_attempts""",
+                              reclaim_state, reclaim_attempts, expires_at""",
                 [key],
             )
             previous_start = aware(before[0][0]).isoformat() if before else None
@@ -105,7 +105,7 @@ class SQLite(SQLDialect):
             if rows:
                 lease_id, token, expires_at, reclaimed_from, marker = rows[0]
                 if reclaimed_from:
-                    _, was_task, name, job, released_at, state, attempts = before[0]
+                    _, was_task, name, job, released_at, state, attempts, _ends = before[0]
                     self._requeue_displaced(
                         Displaced(
                             key, was_task, name, job, released_at is not None, state, attempts
@@ -120,7 +120,10 @@ class SQLite(SQLDialect):
                     self._insert_event(lease_id, Kind.RECLAIMED, token, task_id, owner, detail)
                 elif request.routine_events:
                     self._insert_event(lease_id, Kind.ACQUIRED, token, task_id, owner, {})
-                return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker)
+                previous = aware(before[0][7]) if reclaimed_from and before else None
+                return Grant(
+                    lease_id, token, aware(expires_at), reclaimed_from, marker, "", previous
+                )
             if (
                 delivery is not None
                 and unless_completed
