@@ -31,9 +31,10 @@ fi
 # (re)install when the package is missing or pyproject.toml changed since the last install
 stamp=.venv/.celery-fenced-demo-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-    || ! .venv/bin/python -c 'import celery_fenced, django_celery_results' 2>/dev/null; then
-    echo "demo.sh: installing celery-fenced into .venv (pip install -e .)"
-    .venv/bin/python -m pip install -q -e .
+    || ! .venv/bin/python -c 'import celery_fenced, django_celery_results, prometheus_client' \
+        2>/dev/null; then
+    echo "demo.sh: installing celery-fenced into .venv (pip install -e '.[metrics]')"
+    .venv/bin/python -m pip install -q -e '.[metrics]'
     touch "$stamp"
 fi
 

@@ -28,10 +28,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,6 +84,7 @@ class Worker:
 
     def __init__(self, name: str, log_dir: Path) -> None:
         self.name = name
+        self.metrics_port = _free_port()  # its Prometheus exporter (fenced_metrics_port)
         self.log_path = log_dir / f"worker-{name}.log"
         self._log = self.log_path.open("wb")
         pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -93,7 +96,12 @@ class Worker:
                 *("--without-gossip", "--without-mingle", "--without-heartbeat"),
             ],
             cwd=ROOT,
-            env={**os.environ, "FENCED_WORKER_NAME": name, "PYTHONPATH": pythonpath},
+            env={
+                **os.environ,
+                "FENCED_WORKER_NAME": name,
+                "FENCED_METRICS_PORT": str(self.metrics_port),
+                "PYTHONPATH": pythonpath,
+            },
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: SIGSTOP reaches the pool too
@@ -101,6 +109,13 @@ class Worker:
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def metric(self, prefix: str) -> float:
+        """The sum of this worker's samples whose name and labels start with ``prefix``."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as page:
+            lines = page.read().decode().splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
 
     def ready(self) -> bool:
         if self.process.poll() is not None:
@@ -269,7 +284,31 @@ def run(tmp: Path, workers: list[Worker]) -> tuple[int, str]:
     row = result(task_a)
     status = f"{row.status} {summary(row.result)}" if row else "none"
     timeline.say(f"result of task {task_a[:8]} is still B's: {status}")
+    takeovers = 'celery_fenced_grants_total{kind="reclaimed"'
+    refused = "celery_fenced_stale_writes_rejected_total{"
+
+    def counted() -> bool | None:
+        try:
+            return (b.metric(takeovers) == 1 and a.metric(refused) == 2) or None
+        except OSError:  # an exporter not answering yet
+            return None
+
+    timeline.wait(
+        counted,
+        20,
+        "the workers' metrics to show the takeover and the two refused writes",
+    )
+    timeline.say(
+        f"Prometheus metrics (fenced_metrics_port): B's exporter counts 1 takeover "
+        f"({takeovers}...}}), A's 2 refused stale writes ({refused}...}})"
+    )
     return n, task_a
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def show_rows(task_ids: Sequence[str]) -> None:
