@@ -73,6 +73,7 @@ class Options:
     keep_database: bool = False
     sabotage: bool = False
     json_path: Path | None = None
+    plot_path: Path | None = None
 
 
 @dataclass
@@ -1041,6 +1042,12 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--keep-database", action="store_true", help="do not drop the database")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="draw the run here (SVG: takeovers, stale writes rejected, leases held over time)",
+    )
+    parser.add_argument(
         "--sabotage",
         action="store_true",
         help="jobs write WITHOUT the guard, to show that the checker catches it (exits 1)",
@@ -1063,6 +1070,7 @@ def parse(argv: list[str]) -> Options:
         keep_database=args.keep_database,
         sabotage=args.sabotage,
         json_path=args.json,
+        plot_path=args.plot,
     )
 
 
@@ -1094,6 +1102,16 @@ def main(argv: list[str]) -> int:
             print_report(report, runner.events, elapsed)
             if options.json_path is not None:
                 write_json(options.json_path, report, options, elapsed)
+            if options.plot_path is not None:
+                from celery_fenced.models import LeaseEvent
+
+                from . import chaos_plot
+
+                window = runner.events.pg_window_db
+                chaos_plot.write(
+                    options.plot_path, LeaseEvent.objects.all(), [window] if window else []
+                )
+                print(f"plot of the run: {options.plot_path}")
             print(f"seed {options.seed}; worker logs in {log_dir}")
             return 1 if report.violations else 0
         finally:

@@ -523,3 +523,29 @@ def test_checker__permits_more_than_the_limit_at_once_is_seen(grants: Any, seen:
     """(g) Never more than the limit's current grants on a key, by the database's clock."""
     found = chaos_workload.check_permits(_permit_history(*grants), 2)
     assert bool(found) == seen, found
+
+
+def test_plot__counts_and_leases_held_from_the_events() -> None:
+    """The run's picture: takeovers and refused writes so far, leases held at a moment."""
+    from types import SimpleNamespace
+
+    from tests import chaos_plot
+
+    def ev(n: int, kind: str, lease: int, token: int, when: float) -> Any:
+        return SimpleNamespace(id=n, kind=kind, lease_id=lease, token=token, at=at(when))
+
+    events = [
+        ev(1, "acquired", 1, 1, 0),
+        ev(2, "acquired", 2, 1, 1),
+        ev(3, "reclaimed", 1, 2, 3),  # the key's next grant: one held, not two
+        ev(4, "stale_write_rejected", 1, 1, 4),
+        ev(5, "released", 1, 2, 5),
+        ev(6, "released", 2, 1, 6),
+    ]
+    lines = chaos_plot.timelines(events)
+    assert [v for _, v in lines["takeovers"]] == [1]
+    assert [v for _, v in lines["stale writes rejected"]] == [1]
+    assert [v for _, v in lines["leases held"]] == [1, 2, 2, 1, 0]
+    picture = chaos_plot.svg(events, [(at(2), at(3))])
+    assert picture.startswith("<svg")
+    assert "PostgreSQL restart" in picture
