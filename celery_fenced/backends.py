@@ -439,6 +439,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             # A redelivery: the newer execution owns this task's result. Or this
             # execution's own grant expired (a state that is not final): nothing stored.
             return
+        if store.granted_again(lease.key, task_id, lease.token, using=lease.alias):
+            return  # a redelivery of the job took another permit of the key: its result
         if status in states.READY_STATES:
             request.meta = {
                 **(getattr(request, "meta", None) or {}),

@@ -1,12 +1,16 @@
 """Django signals sent by celery-fenced.
 
 Every signal is sent with ``sender`` the :class:`celery_fenced.models.Lease` model and
-keyword arguments ``key``, ``token``, ``owner`` (and ``task_id`` where known):
+keyword arguments ``key``, ``token``, ``owner`` (and ``task_id`` and ``task_name`` where
+known; a permit's ``key`` is its row's, :mod:`celery_fenced.permits`):
 
-- ``lease_acquired`` — a grant was issued (``reclaimed_from`` names the expired holder);
+- ``lease_acquired`` — a grant was issued (``reclaimed_from`` names the expired holder;
+  a takeover's ``takeover_delay``: seconds from that grant's expiry, by the database's
+  clock, else None);
 - ``lease_lost`` — a holder learned its grant is gone (``reason``);
 - ``lease_released`` — a holder ended its grant (``forced`` is True for force_release);
-- ``stale_write_rejected`` — a write under an old token was refused (``current``);
+- ``stale_write_rejected`` — a write under an old token was refused (``current``,
+  ``what``);
 - ``lease_busy`` — a grant was refused: another holds the key (``token`` and ``holder``
   are the holder's, ``owner`` the requester's);
 - ``lease_duplicate`` — a delivery of a job that already completed was skipped

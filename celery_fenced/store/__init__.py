@@ -36,6 +36,7 @@ from celery_fenced.store.grants import (
     force_release,
     grant_live_since,
     grant_of,
+    granted_again,
     record_duplicate,
     settle_elsewhere,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "forget_pending",
     "grant_live_since",
     "grant_of",
+    "granted_again",
     "in_guard",
     "in_guard_of_token",
     "kept_connection",

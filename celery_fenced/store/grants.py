@@ -26,6 +26,7 @@ from celery_fenced.store.validation import (
     database_alias,
     default_owner,
     validate_key,
+    validate_lease_key,
     validate_owner,
     validate_ttl,
 )
@@ -181,7 +182,7 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
     The holder's next renew, guard or result write fails. Returns the token that was
     ended, or None when nothing was held. The next grant gets a higher token.
     """
-    key = validate_key(key)
+    key = validate_lease_key(key)  # a permit's too
     alias = database_alias(using)
     ended = dialects.for_alias(alias).force_release(key, by or "")
     if ended is None:
@@ -270,6 +271,21 @@ def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
         .first()
     )
     return None if row is None else (row[0], row[1] is not None)
+
+
+def granted_again(lease_key: str, task_id: str, token: int, *, using: str | None = None) -> bool:
+    """Whether ``task_id``'s job was granted another permit of the key since its grant
+    ``token`` on permit row ``lease_key`` (a redelivery that found another permit free):
+    that execution, not this one, records the job's outcome. False for a plain lease."""
+    from celery_fenced import permits
+
+    key, index = permits.split(lease_key)
+    if index is None or not task_id:
+        return False
+    rows = Lease._default_manager.using(database_alias(using))
+    head = rows.filter(key=key).values_list("permits", flat=True).first() or 0
+    names = [permits.permit_key(key, i) for i in range(max(head, index + 1))]
+    return rows.filter(key__in=names, task_id=task_id, token__gt=token).exists()
 
 
 def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = None) -> bool:

@@ -36,6 +36,19 @@ def validate_key(key: object) -> str:
     return check_key(key)
 
 
+def validate_lease_key(key: object) -> str:
+    """:func:`validate_key`, or the key of a permit's row (``lease_limit``): a key, the
+    separator and the permit's number."""
+    from celery_fenced import permits
+
+    if isinstance(key, str):
+        base, index = permits.split(key)
+        if index is not None:
+            check_key(base)
+            return key
+    return check_key(key)
+
+
 def validate_owner(owner: object) -> str:
     if not isinstance(owner, str) or not owner:
         raise ValueError(f"owner must be a non-empty string, got {owner!r}")

@@ -5,11 +5,13 @@ transaction both (``dialect``)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from django.db import connections
 from django.db.models import F
+from django.test import Client
 
 from celery_fenced import (
     FencedConfigurationError,
@@ -18,6 +20,7 @@ from celery_fenced import (
     StaleToken,
     acquire,
     fenced_update,
+    force_release,
     permits,
 )
 from celery_fenced.exceptions import AlreadyCompleted, InvalidLeaseKey
@@ -26,6 +29,7 @@ from celery_fenced.store import dialects
 from celery_fenced.store.dialects import Delivery
 from testproject.demo.models import Report
 from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_admin import CHANGELIST, OPERATOR, login  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -307,3 +311,121 @@ def test_fenced_task__lease_limit_checked_at_definition() -> None:
         class Bad(FencedTask):  # type: ignore[misc]
             name = "bad"
             lease_limit = -2
+
+
+# -- an adversarial review's scenarios ------------------------------------------------------
+def expire_key(alias: str, lease_key: str) -> None:
+    Lease.objects.using(alias).filter(key=lease_key).update(expires_at=F("acquired_at"))
+
+
+# -- 1. lowering N: a job whose expired permit lies above the new limit never runs again --
+def test_lowered_limit__job_with_expired_permit_above_it__is_granted_again(
+    alias: str, dialect: str
+) -> None:
+    held = [acquire("k", ttl=30, limit=3, task_id=f"t{i}", using=alias) for i in range(3)]
+    held[0].release()
+    held[1].release()
+    expire_key(alias, held[2].key)  # t2's worker died holding permit 2
+    # the limit is lowered to 2; nothing is held; t2 is re-sent (reclaimer / redelivery)
+    lease = acquire("k", ttl=30, limit=2, task_id="t2", using=alias)
+    assert lease.key in {permits.permit_key("k", 0), permits.permit_key("k", 1)}
+    with pytest.raises(LeaseLost):
+        held[2].renew()
+
+
+# -- 2. force release of a permit (admin, CLI, API) ---------------------------------------
+def test_force_release__of_a_permit__ends_its_grant(alias: str) -> None:
+    holder = acquire("k", ttl=30, limit=2, task_id="t", using=alias)
+    assert force_release(holder.key, by="ops", using=alias) == holder.token
+    with pytest.raises(LeaseLost):
+        holder.renew()
+
+
+def test_admin__force_release_action_on_a_permit(
+    lease_db: str,
+    login: Callable[..., Client],  # noqa: F811
+) -> None:
+    holder = acquire("tiles", ttl=30, limit=2, owner="worker-a", using=lease_db)
+    pk = Lease.objects.using(lease_db).get(key=holder.key).pk
+    client = login(*OPERATOR, username="olga")
+    done = client.post(
+        CHANGELIST,
+        {"action": "force_release_selected", "_selected_action": [pk], "post": "yes"},
+        follow=True,
+    )
+    assert "Force-released 1 lease" in done.content.decode()
+    with pytest.raises(LeaseLost):
+        holder.renew()
+
+
+# -- 3. a stale permit holder's FAILURE(StaleToken) over its own redelivery's run ---------
+def test_tracer__stale_holder_whose_job_runs_again_on_another_permit__writes_nothing(
+    broker: Any, lease_db: str
+) -> None:
+    """lease_limit=2. Job a holds permit 0 and pauses past its ttl. Job x takes permit 0
+    over (though permit 1 is free); a is displaced. a's message is delivered again and
+    takes permit 1: the same job now runs on another permit. A (stale) wakes: the newer
+    grant of *its job* is live, so (R2) nothing may be written: no FAILURE(StaleToken)
+    for a while its second execution runs — one outcome for one task id."""
+    from celery import states
+
+    from tests.integration.test_permits import _granted_permit
+    from tests.integration.test_seams import Execution, expire, status
+
+    app = broker.app
+    app.signature("seams.permit", (7, "a")).apply_async(task_id="a")
+    a_msg = broker.sent("seams.permit")[0]
+    a = Execution(app, a_msg, "A")
+    lease_a = _granted_permit(lease_db, "a")
+    expire(lease_db, lease_a)
+    app.signature("seams.permit", (7, "x")).apply_async(task_id="x")
+    x = Execution(app, broker.sent("seams.permit")[-1], "X")  # x takes permit 0 over
+    assert _granted_permit(lease_db, "x").key == lease_a.key
+    a2 = Execution(app, a_msg, "A2")  # a redelivered: permit 1
+    lease_a2 = _granted_permit(lease_db, "a")
+    assert lease_a2.key != lease_a.key
+    a.finish()  # stale
+    assert not (
+        broker.app.backend.TaskModel.objects.using(lease_db)
+        .filter(task_id="a", status=states.FAILURE)
+        .exists()
+    ), "a stale permit holder stored FAILURE while its job runs again on another permit"
+    a2.finish()
+    x.finish()
+    assert status(lease_db, "a") == (states.SUCCESS, f'"a@{lease_a2.token}"')
+
+
+# -- 4. a job completed under the key's plain lease, redelivered once the key has permits --
+def test_job_completed_under_the_plain_lease__is_a_duplicate_for_permits(
+    alias: str, dialect: str
+) -> None:
+    delivery = Delivery("job-1", "digest-1", 0)
+    plain = acquire("k", ttl=30, task_id="job-1", delivery=delivery, using=alias)
+    assert plain.release(state="SUCCESS")
+    # the task is deployed with lease_limit=2; job-1's message comes again (acks_late)
+    with pytest.raises(AlreadyCompleted):
+        acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+
+
+# -- 5. the reclaimer and an expired permit: the re-sent job takes the same permit --------
+def test_tracer__reclaimed_permit__resent_job_takes_it_back_and_runs_once(
+    broker: Any, lease_db: str
+) -> None:
+    from celery_fenced.reclaim import reclaim_expired
+    from tests.integration.test_permits import _granted_permit
+    from tests.integration.test_seams import Execution, deliver, expire, status, wait_for
+
+    app = broker.app
+    app.conf.fenced_reclaim = True  # an explicit key: reclaimed only when asked
+    app.signature("seams.permit", (7, "a")).apply_async(task_id="a")
+    a = Execution(app, broker.sent("seams.permit")[0], "A")
+    lease_a = _granted_permit(lease_db, "a")
+    expire(lease_db, lease_a)
+    wait_for(lambda: reclaim_expired(app, grace=0, using=lease_db), "the re-send")
+    deliver(app, broker.sent("seams.permit")[-1])
+    row = Lease.objects.using(lease_db).get(key=lease_a.key)
+    assert row.token > lease_a.token
+    assert row.released_at is not None
+    a.finish()
+    assert status(lease_db, "a") == ("SUCCESS", f'"a@{row.token}"')
+    assert reclaim_expired(app, grace=0, using=lease_db) == []

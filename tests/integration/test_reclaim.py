@@ -605,7 +605,17 @@ def test_reclaim__signals_each_resent_and_abandoned_job(alias: str, dialect: str
         signals.lease_abandoned.disconnect(abandoned)
     owner = calls[0][1]["owner"]
     assert calls == [
-        ("resent", {"key": "k", "token": 1, "owner": owner, "task_id": "t1", "attempt": 1}),
+        (
+            "resent",
+            {
+                "key": "k",
+                "token": 1,
+                "owner": owner,
+                "task_id": "t1",
+                "task_name": TASK,
+                "attempt": 1,
+            },
+        ),
         (
             "abandoned",
             {
@@ -613,6 +623,7 @@ def test_reclaim__signals_each_resent_and_abandoned_job(alias: str, dialect: str
                 "token": 2,
                 "owner": calls[1][1]["owner"],
                 "task_id": "t1",
+                "task_name": TASK,
                 "reason": "too many re-sends",
             },
         ),

@@ -137,6 +137,7 @@ def test_lease_busy__sent_with_the_holder_and_the_refused(alias: str, received: 
             "token": 1,
             "owner": "refused",
             "task_id": "t-2",
+            "task_name": "",
             "holder": "holder",
         }
     ]

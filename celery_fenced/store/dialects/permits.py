@@ -70,7 +70,10 @@ class PermitGrants:
         names = [permits.permit_key(key, i) for i in range(max(head.permits, limit))]
         found = {row.key: row for row in rows.select_for_update().filter(key__in=names)}
         delivery = request.delivery
-        if delivery is not None and self._permit_completed(names, delivery, request.window):
+        # the key's own row too: a job completed there before the key had permits
+        if delivery is not None and self._permit_completed(
+            [key, *names], delivery, request.window
+        ):
             return Completed(request.task_id, delivery.retries)
         held = [row for row in found.values() if _live(row, now)]
         job = permit_job(key, request.task_id)
@@ -92,6 +95,13 @@ class PermitGrants:
                 first.expires_at,
                 (first.expires_at - now).total_seconds(),
             )
+        for left in found.values():
+            # this job's expired grant on a permit above a lowered limit: it moves to a
+            # permit under it, and the grant it leaves ends (its stale holder fenced out)
+            moved = left.key not in names[:limit] and left.released_at is None
+            if moved and job is not None and left.permit_job == job:
+                rows.filter(pk=left.pk).update(released_at=now, job=None, release_state="MOVED")
+                left.released_at = now
         missing = [name for name in names[:limit] if name not in found]
         if missing:  # made once, never granted: later grants find them free
             rows.bulk_create(

@@ -489,8 +489,9 @@ class PostgreSQL(SQLDialect):
         unless_completed = delivery is not None and bool(delivery.task_id)
         completed = (
             f"""AND NOT EXISTS ({self._completed_sql()})
-                AND NOT EXISTS (SELECT 1 FROM {LEASE} mk, names
-                                WHERE mk.key = names.name AND {self._marked_sql("mk")})"""
+                AND NOT EXISTS (SELECT 1 FROM {LEASE} mk
+                                WHERE (mk.key = %s OR mk.key IN (SELECT name FROM names))
+                                  AND {self._marked_sql("mk")})"""
             if unless_completed
             else ""
         )
@@ -565,7 +566,11 @@ class PostgreSQL(SQLDialect):
                 request.key,
                 request.limit,
                 *(
-                    [*self._marked_params(delivery, request.window)] * 2
+                    [
+                        *self._marked_params(delivery, request.window),
+                        request.key,
+                        *self._marked_params(delivery, request.window),
+                    ]
                     if unless_completed and delivery is not None
                     else []
                 ),
