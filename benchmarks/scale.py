@@ -96,6 +96,19 @@ def _sample(alias: str, rows: int, count: int, rng: random.Random) -> list[float
     return samples
 
 
+def _gauges(alias: str, count: int = 20) -> list[float]:
+    """Seconds of each reading of the metrics view's database gauges (1% of rows held)."""
+    from celery_fenced import metrics
+
+    metrics.database_gauges(alias)  # warm
+    timings = []
+    for _ in range(count):
+        started = time.perf_counter()
+        metrics.database_gauges(alias)
+        timings.append(time.perf_counter() - started)
+    return timings
+
+
 def _prune(alias: str) -> tuple[float, int, str]:
     """Delete the large database's events; (seconds, events deleted, how)."""
     import importlib
@@ -147,12 +160,14 @@ def run(ctx: Context) -> list[Line]:
             samples[alias] += _sample(
                 alias, sizes[alias], min(CHUNK, profile.latency_samples), rng
             )
+    gauges = {alias: _gauges(alias) for alias in (small, large)}
     prune_seconds, pruned, how = _prune(large)
     ctx.data["scale"] = {
         "rows": sizes,
         "populate_seconds": populate_seconds,
         "samples": {a: sorted(s) for a, s in samples.items()},
         "prune": {"seconds": prune_seconds, "events": pruned, "how": how},
+        "metrics_gauges": gauges,
     }
     p50 = {a: median(s) for a, s in samples.items()}
     p99 = {a: percentile(s, 0.99) for a, s in samples.items()}
@@ -178,6 +193,13 @@ def run(ctx: Context) -> list[Line]:
             target="≤ 1.20x",
             kind="max",
             limit=1.20,
+        ),
+        Line(
+            row="4 scale",
+            case=f"the metrics view's database gauges (p50 of 20), {big} vs {few} lease rows",
+            measured=millis(median(gauges[large])),
+            baseline=millis(median(gauges[small])),
+            ratio=ratio(median(gauges[large]), median(gauges[small])),
         ),
         Line(
             row="4 scale",
