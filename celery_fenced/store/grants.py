@@ -277,15 +277,23 @@ def granted_again(lease_key: str, task_id: str, token: int, *, using: str | None
     """Whether ``task_id``'s job was granted another permit of the key since its grant
     ``token`` on permit row ``lease_key`` (a redelivery that found another permit free):
     that execution, not this one, records the job's outcome. False for a plain lease."""
+    rows = Lease._default_manager.using(database_alias(using))
+    names = _permits_of(rows, lease_key)
+    if names is None or not task_id:
+        return False
+    return rows.filter(key__in=names, task_id=task_id, token__gt=token).exists()
+
+
+def _permits_of(rows: Any, lease_key: str) -> list[str] | None:
+    """The row keys of every permit of a permit row's key (``lease_key``'s included);
+    None for a plain lease's key."""
     from celery_fenced import permits
 
     key, index = permits.split(lease_key)
-    if index is None or not task_id:
-        return False
-    rows = Lease._default_manager.using(database_alias(using))
+    if index is None:
+        return None
     head = rows.filter(key=key).values_list("permits", flat=True).first() or 0
-    names = [permits.permit_key(key, i) for i in range(max(head, index + 1))]
-    return rows.filter(key__in=names, task_id=task_id, token__gt=token).exists()
+    return [permits.permit_key(key, i) for i in range(max(head, index + 1))]
 
 
 def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = None) -> bool:
@@ -294,11 +302,11 @@ def grant_live_since(key: str, token: int, task_id: str, *, using: str | None = 
     Another job's grant of the key does not count: it will never record ``task_id``'s
     outcome.
     """
-    return (
-        Lease._default_manager.using(database_alias(using))
-        .filter(key=key, token__gte=token, task_id=task_id, released_at__isnull=True)
-        .exists()
-    )
+    rows = Lease._default_manager.using(database_alias(using))
+    keys = _permits_of(rows, key) or [key]  # a permit's: the job on any permit of the key
+    return rows.filter(
+        key__in=keys, token__gte=token, task_id=task_id, released_at__isnull=True
+    ).exists()
 
 
 def record_duplicate(

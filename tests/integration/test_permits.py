@@ -362,11 +362,11 @@ def test_admin__force_release_action_on_a_permit(
 def test_tracer__stale_holder_whose_job_runs_again_on_another_permit__writes_nothing(
     broker: Any, lease_db: str
 ) -> None:
-    """lease_limit=2. Job a holds permit 0 and pauses past its ttl. Job x takes permit 0
-    over (though permit 1 is free); a is displaced. a's message is delivered again and
-    takes permit 1: the same job now runs on another permit. A (stale) wakes: the newer
-    grant of *its job* is live, so (R2) nothing may be written: no FAILURE(StaleToken)
-    for a while its second execution runs — one outcome for one task id."""
+    """lease_limit=2. Job a holds permit 0 and pauses past its ttl; y holds permit 1, so
+    job x takes permit 0 over; y ends. a's message is delivered again and takes permit 1:
+    the same job now runs on another permit. A (stale) wakes: the newer grant of *its
+    job* is live, so (R2) nothing may be written: no FAILURE(StaleToken) for a while its
+    second execution runs — one outcome for one task id."""
     from celery import states
 
     from tests.integration.test_permits import _granted_permit
@@ -378,9 +378,11 @@ def test_tracer__stale_holder_whose_job_runs_again_on_another_permit__writes_not
     a = Execution(app, a_msg, "A")
     lease_a = _granted_permit(lease_db, "a")
     expire(lease_db, lease_a)
+    other = acquire("tiles:7", ttl=30, limit=2, task_id="y", using=lease_db)  # permit 1
     app.signature("seams.permit", (7, "x")).apply_async(task_id="x")
     x = Execution(app, broker.sent("seams.permit")[-1], "X")  # x takes permit 0 over
     assert _granted_permit(lease_db, "x").key == lease_a.key
+    assert other.release()
     a2 = Execution(app, a_msg, "A2")  # a redelivered: permit 1
     lease_a2 = _granted_permit(lease_db, "a")
     assert lease_a2.key != lease_a.key
@@ -393,6 +395,18 @@ def test_tracer__stale_holder_whose_job_runs_again_on_another_permit__writes_not
     a2.finish()
     x.finish()
     assert status(lease_db, "a") == (states.SUCCESS, f'"a@{lease_a2.token}"')
+
+
+def test_a_paused_holder_is_not_displaced_while_another_permit_is_free(
+    alias: str, dialect: str
+) -> None:
+    paused = acquire("k", ttl=30, limit=2, task_id="a", using=alias)
+    acquire("k", ttl=30, limit=2, task_id="b", using=alias).release()  # permit 1, released
+    expire_key(alias, paused.key)
+    taken = acquire("k", ttl=30, limit=2, task_id="c", using=alias)
+    assert (taken.key, taken.reclaimed_from) == (permits.permit_key("k", 1), "")
+    row = Lease.objects.using(alias).get(key=paused.key)
+    assert (row.token, row.task_id) == (paused.token, "a")  # untouched
 
 
 # -- 4. a job completed under the key's plain lease, redelivered once the key has permits --

@@ -276,6 +276,9 @@ def _choose(
     """The permit row to grant: the same job's own expired one, else the lowest free one."""
     free = [found[name] for name in names if name in found and not _live(found[name], now)]
     own = [row for row in free if row.released_at is None and job and row.permit_job == job]
+    # a released permit before an expired one: a paused holder is not displaced while
+    # another permit is free
+    free.sort(key=lambda row: row.released_at is None)
     if own or free:
         return (own or free)[0]
     return None

@@ -517,7 +517,10 @@ class PostgreSQL(SQLDialect):
                           SELECT 1 FROM {LEASE} s
                           WHERE s.permit_job = md5(%s || chr(31) || %s)
                             AND s.released_at IS NULL AND s.id <> p.id)
-                    ORDER BY (p.released_at IS NULL AND p.task_id = %s) DESC, p.id
+                    -- this job's own expired permit, else a released one before an
+                    -- expired one (a paused holder is not displaced while one is free)
+                    ORDER BY (p.released_at IS NULL AND p.task_id = %s) DESC,
+                             p.released_at IS NULL, p.id
                     LIMIT 1 FOR UPDATE SKIP LOCKED),
                 granted AS (
                     UPDATE {LEASE} l SET
@@ -534,8 +537,9 @@ class PostgreSQL(SQLDialect):
                         permit_job = CASE WHEN %s <> '' THEN md5(%s || chr(31) || %s) END
                     FROM pick WHERE l.id = pick.id
                       AND (l.released_at IS NOT NULL OR l.expires_at <= statement_timestamp())
-                      -- the row this statement's snapshot read, not a grant made since
-                      AND l.token = (SELECT s.token FROM {LEASE} s WHERE s.id = pick.id)
+                      -- the row as this statement's snapshot read it: not a grant, nor a
+                      -- completing release, committed since
+                      AND l.xmin = (SELECT s.xmin FROM {LEASE} s WHERE s.id = pick.id)
                     RETURNING l.id, l.token, l.expires_at, l.reclaimed_from,
                               l.completed_digest, l.key),
                 ev AS (
