@@ -104,22 +104,7 @@ class PermitGrants:
                 left.released_at = now
         missing = [name for name in names[:limit] if name not in found]
         if missing:  # made once, never granted: later grants find them free
-            rows.bulk_create(
-                [
-                    Lease(
-                        key=name,
-                        token=0,
-                        owner="",
-                        task_id="",
-                        task_name=request.task_name,
-                        acquired_at=now,
-                        renewed_at=now,
-                        expires_at=now,
-                        released_at=now,
-                    )
-                    for name in missing
-                ]
-            )
+            rows.bulk_create([_never_granted(name, request.task_name, now) for name in missing])
             found.update(
                 (row.key, row) for row in rows.select_for_update().filter(key__in=missing)
             )
@@ -195,17 +180,8 @@ class PermitGrants:
             now = self.now()
             try:
                 with transaction.atomic(using=self.alias):
-                    rows.create(
-                        key=key,
-                        token=0,
-                        owner="",
-                        task_id="",
-                        task_name=request.task_name,
-                        acquired_at=now,
-                        renewed_at=now,
-                        expires_at=now,
-                        released_at=now,
-                        permits=request.limit,
+                    _never_granted(key, request.task_name, now, request.limit).save(
+                        using=self.alias, force_insert=True
                     )
             except IntegrityError:  # made meanwhile by another acquirer
                 rows.filter(key=key).update(permits=Greatest(F("permits"), request.limit))
@@ -264,6 +240,23 @@ def permit_job(key: str, task_id: str) -> str | None:
     if not task_id:
         return None
     return hashlib.md5(f"{key}{permits.SEPARATOR}{task_id}".encode()).hexdigest()
+
+
+def _never_granted(key: str, task_name: str, now: dt.datetime, permits: int = 0) -> Lease:
+    """A lease row made free and never granted (token 0): a permit's, or (``permits``)
+    the key's head."""
+    return Lease(
+        key=key,
+        token=0,
+        owner="",
+        task_id="",
+        task_name=task_name,
+        acquired_at=now,
+        renewed_at=now,
+        expires_at=now,
+        released_at=now,
+        permits=permits,
+    )
 
 
 def _live(row: Lease, now: dt.datetime) -> bool:
