@@ -74,12 +74,21 @@ _NAMES = {
 }
 
 
+#: one structured record per signal sent: ``extra`` names the key, token, task and kind
+event_logger = logging.getLogger("celery_fenced.events")
+#: the routine kinds are logged at DEBUG, every other at INFO
+ROUTINE = ("acquired", "released")
+
+
 def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
     """Send ``signal`` to every receiver; log, never raise, what a receiver raises.
 
     Every signal of the package is sent through here: the senders are the renewer
-    thread and the result backend, which a receiver's error must not break.
+    thread and the result backend, which a receiver's error must not break. Each is also
+    one log record of ``celery_fenced.events`` whose ``extra`` carries ``lease_key``,
+    ``fencing_token``, ``task_id``, ``task_name`` and ``lease_event`` (the event's kind).
     """
+    _log_event(signal, kwargs)
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
             name = getattr(receiver, "__qualname__", None) or repr(receiver)
@@ -92,3 +101,30 @@ def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
                 exc_info=(type(response), response, response.__traceback__),
                 extra={"lease_key": kwargs.get("key"), "fencing_token": kwargs.get("token")},
             )
+
+
+def _log_event(signal: Signal, kwargs: dict[str, Any]) -> None:
+    name = _NAMES.get(id(signal), "")
+    kind = name.removeprefix("lease_")
+    if kind == "acquired" and kwargs.get("reclaimed_from"):
+        kind = "reclaimed"
+    elif kind == "released" and kwargs.get("forced"):
+        kind = "force_released"
+    level = logging.DEBUG if kind in ROUTINE else logging.INFO
+    if not event_logger.isEnabledFor(level):
+        return
+    event_logger.log(
+        level,
+        "lease event %s: key %r, token %s, task %s",
+        kind,
+        kwargs.get("key"),
+        kwargs.get("token"),
+        kwargs.get("task_id") or "-",
+        extra={
+            "lease_key": kwargs.get("key"),
+            "fencing_token": kwargs.get("token"),
+            "task_id": kwargs.get("task_id") or "",
+            "task_name": kwargs.get("task_name") or "",
+            "lease_event": kind,
+        },
+    )

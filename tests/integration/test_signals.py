@@ -195,3 +195,27 @@ def test_busy__logged_with_the_key_the_holders_token_and_the_task_id(
         1,
         "task-skipped",
     )
+
+
+@db
+def test_every_signal_is_a_structured_log_record(
+    alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``celery_fenced.events``: one record per event, its key, token, task and kind in
+    ``extra`` (routine grants and releases at DEBUG, the rest at INFO)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="celery_fenced.events")
+    held = acquire("logged", ttl=30, task_id="t-1", task_name="app.t", using=alias)
+    with pytest.raises(LeaseBusy):
+        acquire("logged", ttl=30, task_id="t-2", task_name="app.t", using=alias)
+    held.release()
+    records = [r for r in caplog.records if r.name == "celery_fenced.events"]
+    assert [
+        (r.lease_event, r.lease_key, r.fencing_token, r.task_id, r.task_name, r.levelname)  # type: ignore[attr-defined]
+        for r in records
+    ] == [
+        ("acquired", "logged", held.token, "t-1", "app.t", "DEBUG"),
+        ("busy", "logged", held.token, "t-2", "app.t", "INFO"),
+        ("released", "logged", held.token, "t-1", "app.t", "DEBUG"),
+    ]
