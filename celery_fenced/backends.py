@@ -40,7 +40,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import keys, outages, outbox, store, workflow
+from celery_fenced import outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -186,24 +186,17 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
 
     def _ended(self, drive: Callable[[], None], request: Any) -> None:
         """``drive()`` — an untokened final outcome of a fenced task (a time limit, a lost
-        worker) — and the end of its job with it: the outbox does not send it again (its
-        row there, handed over when another job took its expired grant over, goes) and a
-        copy already sent is skipped as a completed duplicate, as when that outcome
-        force-releases the execution's own grant."""
+        worker) — and the end of its row in the outbox with it (handed over when another
+        job took its expired grant over): the reclaimer does not send the job again over
+        that outcome. A copy already in the broker (a retry sent while the database was
+        away) still runs: the outcome it records supersedes this one."""
         from celery_fenced.execution import FencedExecution
 
         drive()
         task_id = getattr(request, "id", None)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
-        if not task_id or not isinstance(task, FencedExecution):
-            return
-        alias = store.database_alias()
-        store.forget_pending(alias, task_id)
-        args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
-        if isinstance(args, list | tuple) and isinstance(kwargs, dict):
-            retries = int(getattr(request, "retries", 0) or 0)
-            digest = keys.message_digest(task_id, task.name, args, kwargs)
-            store.mark_ended(alias, store.Delivery(task_id, digest, retries))
+        if task_id and isinstance(task, FencedExecution):
+            store.forget_pending(store.database_alias(), task_id)
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(

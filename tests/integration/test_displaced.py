@@ -104,7 +104,8 @@ def test_displaced_execution_killed_by_time_limit__its_failure_ends_the_job(
     """A1 (displaced by B, its job handed to the outbox) is killed by its hard time limit:
     the worker's main process records FAILURE(TimeLimitExceeded) for A (nobody holds a
     grant of A's task id) and the errback fires. That ends the job, as the same time
-    limit does without a takeover: the outbox row goes, a copy is never run again."""
+    limit does without a takeover: its outbox row goes, the reclaimer does not send it
+    again."""
     import os
     import time
 

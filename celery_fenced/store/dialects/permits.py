@@ -104,7 +104,7 @@ class PermitGrants:
                 left.released_at = now
         missing = [name for name in names[:limit] if name not in found]
         if missing:  # made once, never granted: later grants find them free
-            rows.bulk_create([_never_granted(name, request.task_name, now) for name in missing])
+            rows.bulk_create([_free_row(name, request.task_name, now) for name in missing])
             found.update(
                 (row.key, row) for row in rows.select_for_update().filter(key__in=missing)
             )
@@ -180,7 +180,7 @@ class PermitGrants:
             now = self.now()
             try:
                 with transaction.atomic(using=self.alias):
-                    _never_granted(key, request.task_name, now, request.limit).save(
+                    _free_row(key, request.task_name, now, request.limit).save(
                         using=self.alias, force_insert=True
                     )
             except IntegrityError:  # made meanwhile by another acquirer
@@ -242,7 +242,7 @@ def permit_job(key: str, task_id: str) -> str | None:
     return hashlib.md5(f"{key}{permits.SEPARATOR}{task_id}".encode()).hexdigest()
 
 
-def _never_granted(key: str, task_name: str, now: dt.datetime, permits: int = 0) -> Lease:
+def _free_row(key: str, task_name: str, now: dt.datetime, permits: int = 0) -> Lease:
     """A lease row made free and never granted (token 0): a permit's, or (``permits``)
     the key's head."""
     return Lease(
