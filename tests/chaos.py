@@ -167,6 +167,10 @@ def _admin(sql: str) -> None:
 
 def setup_django(options: Options, database: str, broker: str) -> dict[str, str]:
     """Point this process at ``database``, migrate it; return the workers' environment."""
+    import logging
+
+    # one record per lease event (INFO) would drown the runner's own lines
+    logging.getLogger("celery_fenced.events").setLevel(logging.WARNING)
     env = {
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
         "FENCED_DB": "postgres",
