@@ -458,7 +458,9 @@ class Resent:
     task_name: str
     key: str
     attempt: int  # sendings by the reclaimer so far (this one included)
-    action: str  # "resent", "abandoned", or "failed" (not sent; the next sweep retries)
+    #: "resent", "abandoned", "revoked" (expired: its REVOKED recorded, never sent), or
+    #: "failed" (not sent; the next sweep retries)
+    action: str
     reason: str = ""
 
 
@@ -481,7 +483,9 @@ def resend_pending(
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
     alias = store.database_alias(using)
-    outcomes: list[Resent] = []
+    outcomes: list[Resent] = [
+        _revoke_expired(app, alias, row) for row in store.expired_rows(alias, limit)
+    ]
     while True:
         claimed, more = store.claim_due(
             alias, resend_after=settings.outbox_resend_after, limit=limit
@@ -490,6 +494,58 @@ def resend_pending(
         outcomes += batch
         if not more or any(o.action == "failed" for o in batch):
             return outcomes
+
+
+def _revoke_expired(app: Celery, alias: str, row: tuple[int, str, str, str]) -> Resent:
+    """A pending job whose ``expires`` passed before any worker started it (its message
+    lost, say): record its ``REVOKED`` outcome, as the worker does when an expired message
+    arrives (the result backend, the workflow it belongs to), then end its row; never
+    sent again."""
+    from celery import states
+    from celery.app.task import Context
+
+    from celery_fenced import store
+
+    row_id, task_id, task_name, job = row
+    context: dict[str, Any] = {"id": task_id, "task": task_name}
+    with contextlib.suppress(ValueError):
+        recorded = reclaim.decode_job(job)
+        options = recorded.options
+        context.update(
+            args=recorded.args,
+            kwargs=recorded.kwargs,
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
+            chord=options.get("chord"),
+            root_id=options.get("root_id"),
+            parent_id=options.get("parent_id"),
+        )
+    try:
+        app.backend.mark_as_revoked(
+            task_id,
+            reason="expired",
+            request=Context(context),
+            store_result=True,
+            state=states.REVOKED,
+        )
+    except Exception as exc:
+        logger.warning(
+            "pending job %s[%s] expired: its REVOKED outcome could not be recorded (%s); "
+            "the next sweep tries again",
+            task_name,
+            task_id,
+            exc,
+            extra={"task_id": task_id},
+        )
+        return Resent(task_id, task_name, "", 0, "failed", f"expired: {exc}")
+    store.forget_row(alias, row_id)
+    logger.info(
+        "pending job %s[%s] expired before any worker started it: recorded REVOKED",
+        task_name,
+        task_id,
+        extra={"task_id": task_id},
+    )
+    return Resent(task_id, task_name, "", 0, "revoked", "expired")
 
 
 def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Resent:

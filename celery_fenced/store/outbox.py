@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from django.db.models import F
+from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Greatest, Now
 
 from celery_fenced.models import Completion, PendingJob
@@ -72,6 +72,18 @@ def forget_pending(alias: str, task_id: str) -> int:
     return deleted
 
 
+def expired_rows(alias: str, limit: int) -> list[tuple[int, str, str, str]]:
+    """``(id, task id, task name, job)`` of up to ``limit`` pending jobs whose ``expires``
+    has passed before any worker started them (a started ``until_done`` row runs on)."""
+    rows = PendingJob.objects.using(alias).filter(expires_at__lte=Now(), started_token=None)
+    return list(rows.order_by("id").values_list("id", "task_id", "task_name", "job")[:limit])
+
+
+def forget_row(alias: str, row_id: int) -> None:
+    """Delete one pending row (its outcome recorded)."""
+    PendingJob.objects.using(alias).filter(id=row_id).delete()
+
+
 def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due], bool]:
     """Claim up to ``limit`` pending jobs due to be sent again; expired ones are deleted.
 
@@ -80,10 +92,14 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     and whether more may be due (``limit`` rows were read).
     """
     rows = PendingJob.objects.using(alias)
-    # Celery would revoke it on arrival; a started until_done row runs on (see below)
-    rows.filter(expires_at__lte=Now(), started_token=None).delete()
     dialects.for_alias(alias).delete_ended_copies()  # until_done rows whose run ended
-    due = rows.filter(resend_at__lte=Now(), abandoned_at__isnull=True, started_token=None)
+    # an expired row is not sent again: the reclaimer records its REVOKED (expired_rows)
+    due = rows.filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=Now()),
+        resend_at__lte=Now(),
+        abandoned_at__isnull=True,
+        started_token=None,
+    )
     candidates = list(
         due.order_by("resend_at").values_list(
             "id", "task_id", "task_name", "key", "job", "sends", "eta", "plain"

@@ -157,12 +157,16 @@ def test_two_reclaimers__each_due_job_sent_once(broker: Broker, lease_db: str) -
     assert sorted(sent) == sorted(ids * 2)  # the original and one re-send each
 
 
-def test_expired_job__deleted_never_sent_again(broker: Broker, lease_db: str) -> None:
-    broker.app.signature("seams.step", ("e",)).apply_async(expires=60)
+def test_expired_job__its_revoked_recorded_never_sent_again(broker: Broker, lease_db: str) -> None:
+    """Its message lost, its ``expires`` passed before the re-send: the reclaimer records
+    ``REVOKED`` (as the worker does for an expired message), ends its row, sends nothing."""
+    result = broker.app.signature("seams.step", ("e",)).apply_async(expires=60)
     make_due(lease_db, expires_at=F("published_at"))
-    assert resend_pending(broker.app) == []
+    assert [(o.task_id, o.action) for o in resend_pending(broker.app)] == [(result.id, "revoked")]
+    assert status(lease_db, result.id)[0] == states.REVOKED
     assert pending(lease_db) == []
     assert len(broker.sent("seams.step")) == 1
+    assert resend_pending(broker.app) == []
 
 
 def test_too_many_sendings__abandoned_and_kept(broker: Broker, lease_db: str) -> None:
