@@ -90,6 +90,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             )
 
         self._report(task_id, result, state, request, drive)
+        workflow.successors_settled(request)
 
     def _in_one_statement(self, task_id: str, state: str, request: Any, lease: HeldLease) -> bool:
         """Whether this success is settled by one statement: proof, release and result row.

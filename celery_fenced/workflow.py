@@ -27,19 +27,25 @@ def hold_successors(request: Any) -> None:
 
 
 def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
-    """Send what :func:`hold_successors` took, with ``retval``, as the tracer would."""
+    """Send what :func:`hold_successors` took, with ``retval``, as the tracer would.
+
+    They stay held until :func:`successors_settled`: inside the transaction that settles
+    the outcome they are recorded and sent on its commit, so a transaction lost with the
+    database (a restart) took them with it, and the outcome settled again sends them
+    again. Not settled at all, :func:`restore_successors` gives them back for Celery's
+    failure handling (a broker error here: the tracer records the task as failed and
+    marks the chain's remaining steps failed).
+    """
     held = getattr(request, HELD, None)
-    if not held:
-        return
-    setattr(request, HELD, None)
-    callbacks, chain = held
-    try:
+    if held:
+        callbacks, chain = held
         _send(app, task_id, request, retval, callbacks, chain)
-    except BaseException:
-        # Not sent (a broker error): the tracer records the task as failed, and Celery's
-        # failure handling needs the chain back to mark the remaining steps failed.
-        request.callbacks, request.chain = callbacks, chain
-        raise
+
+
+def successors_settled(request: Any) -> None:
+    """The outcome that sent the held successors is settled (committed, or refused)."""
+    if request is not None and getattr(request, HELD, None):
+        setattr(request, HELD, None)
 
 
 def _send(app: Any, task_id: str, request: Any, retval: Any, callbacks: Any, chain: Any) -> None:
