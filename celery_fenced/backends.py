@@ -179,7 +179,10 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         else:
             # often the worker's main process, whose connections nothing else resets
 
+            again = _from_scratch(request)
+
             def attempt() -> None:
+                again()
                 if self._may_record_elsewhere(task_id, state, request):
                     self._untokened(task_id, state, request, lambda: self._ended(drive, request))
 
@@ -257,14 +260,19 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         """
         releasing = status in RELEASING_STATES
 
+        again = _from_scratch(request)
+
         def attempt() -> bool:
+            again()
             try:
                 if then is None:
                     self._prove_and_write(task_id, result, status, request, lease)
                 else:
                     self._prove_then(task_id, status, request, lease, releasing, then)
             except store.Refused as refused:
-                if refused.current == lease.token and self._settled_by(task_id, lease):
+                if (releasing or refused.current == lease.token) and self._settled_by(
+                    task_id, status, lease
+                ):
                     return True  # a commit whose answer was lost with the connection
                 self._refuse(task_id, result, status, request, lease, refused.current)
                 return False
@@ -462,8 +470,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             # never over a final outcome already recorded (a REVOKED, another result)
             self._untokened(task_id, states.FAILURE, request, fail, over_final=False)
 
-    def _settled_by(self, task_id: str, lease: HeldLease) -> bool:
-        """Whether ``task_id``'s row holds a final result written under ``lease``."""
+    def _settled_by(self, task_id: str, status: str, lease: HeldLease) -> bool:
+        """Whether the ``status`` outcome under ``lease`` committed already: its grant
+        released in that state, or ``task_id``'s row holding a final result written under
+        it (the key granted again since)."""
+        if store.released_as(lease, status):
+            return True
         row = (
             self.TaskModel._default_manager.using(router.db_for_write(self.TaskModel))
             .filter(task_id=task_id, status__in=states.READY_STATES)
@@ -580,6 +592,21 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if not isinstance(key, str):
             return True
         return not store.grant_live_since(key, token, task_id)
+
+
+def _from_scratch(request: Any) -> Callable[[], None]:
+    """A function that gives ``request`` back the children it has now: each attempt at
+    settling an outcome (again after a database restart) adds to the trail only what it
+    sends, as the first would have."""
+    children = getattr(request, "children", None)
+    if not isinstance(children, list):
+        return lambda: None
+    before = list(children)
+
+    def again() -> None:
+        children[:] = before
+
+    return again
 
 
 __all__ = ["FencedDatabaseBackend", "StaleToken"]

@@ -38,6 +38,7 @@ def connect() -> None:
     )
     signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="celery_fenced.ready")
     signals.task_revoked.connect(on_task_revoked, weak=False, dispatch_uid="celery_fenced.revoked")
+    signals.task_prerun.connect(on_task_prerun, weak=False, dispatch_uid="celery_fenced.prerun")
     from celery.contrib.testing.worker import test_worker_stopped
 
     test_worker_stopped.connect(
@@ -324,16 +325,28 @@ def on_process_shutdown(**kwargs: Any) -> None:
     metrics.process_ended()
 
 
+def on_task_prerun(task_id: str | None = None, task: Any = None, **kwargs: Any) -> None:
+    """A plain task's job that the outbox holds (sent on by a fenced outcome) starts: its
+    pending row ends (a fenced job's ends at its grant)."""
+    from celery_fenced import outbox
+    from celery_fenced.execution import FencedExecution
+
+    if task_id and task is not None and not isinstance(task, FencedExecution):
+        outbox.plain_job_started(task_id, task.request)
+
+
 def on_task_revoked(request: Any = None, sender: Any = None, **kwargs: Any) -> None:
     """A revoked (or expired) job is never sent again: its pending row ends here.
 
     Sent by the worker that discarded the message (or terminated the execution).
     """
-    from celery_fenced import store
+    from celery_fenced import outbox, store
     from celery_fenced.execution import FencedExecution
 
     task_id = getattr(request, "id", None)
-    if not task_id or not isinstance(sender, FencedExecution):
+    # the worker's request context: a message's custom headers are its attributes
+    held = isinstance(sender, FencedExecution) or bool(getattr(request, outbox.PLAIN_HEADER, None))
+    if not task_id or not held:
         return
     try:
         store.forget_pending(store.database_alias(), task_id)

@@ -77,6 +77,10 @@ def same_job() -> Iterator[None]:
         _same_job.reset(marker)
 
 
+#: the message header that marks a plain task's job the outbox holds: the worker that
+#: starts it ends its row (:func:`plain_job_started`)
+PLAIN_HEADER = "fenced_outbox"
+
 #: the lease database alias whose open transaction records plain tasks' publishes
 _recording_plain: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "fenced_outbox_recording_plain"
@@ -94,8 +98,9 @@ def plain_sends_recorded(app: Any, alias: str) -> Iterator[None]:
     body), inside the transaction that proves its token current: a message cannot be
     taken back, and a proof whose transaction never commits (the process paused in it
     while the database restarted, then resumed) is no proof — the grant may be
-    another's by then. Sent on commit, and sent again by the reclaimer if the process
-    dies between the commit and the send; its row ends once it is sent.
+    another's by then. Sent on commit; its row ends when a worker starts the job (its
+    message carries :data:`PLAIN_HEADER`), so the reclaimer sends it again if the
+    process dies before the send or the broker loses the message — at least once.
     """
     from celery_fenced import store
 
@@ -143,12 +148,20 @@ def _record_plain(
     task_id = options.pop("task_id", None) or uuid()
     to_parent = options.pop("add_to_parent", True)
     args, kwargs = list(args or ()), dict(kwargs or {})
+    headers = options.get("headers")
+    options["headers"] = {**(headers if isinstance(headers, Mapping) else {}), PLAIN_HEADER: 1}
     pending = _row(app, name, args, kwargs, task_id, options, plain=True)
-    if pending is None:  # JSON cannot carry it: sent now, as Celery sends it
-        return original(name, args, kwargs, task_id=task_id, add_to_parent=to_parent, **options)
-    store.record_pending(alias, pending)
     # what the caller lent (a group's producer) is back in its pool by the commit
     kept = {k: v for k, v in options.items() if k not in ("producer", "result_cls")}
+    if pending is None:  # JSON cannot carry it: sent on the commit, unrecorded
+        handle = (options.get("result_cls") or app.AsyncResult)(task_id)
+        result = _unrecorded(
+            alias,
+            handle,
+            lambda: original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept),
+        )
+        return _in_trail(app, result, to_parent)
+    store.record_pending(alias, pending)
 
     # bounded publish retries, as Celery's tracer sends a task's callbacks
     retry_publish = getattr(app.amqp, "_retry_publish", None)
@@ -161,28 +174,73 @@ def _record_plain(
         else:
             original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept)
 
-    def send() -> None:
-        if not _sent_or_marked_unsent(alias, name, task_id, publish):
-            return
-        try:
-            store.forget_pending(alias, task_id)
-        except DatabaseError:  # the reclaimer will send it again: at least once
-            logger.warning(
-                "task %s[%s]: sent, but its outbox row could not be ended; the reclaimer "
-                "may send it again",
-                name,
-                task_id,
-                exc_info=True,
-                extra={"task_id": task_id},
-            )
+    # its row stays until a worker starts the job (or, not started, the reclaimer sends
+    # it again after ``fenced_outbox_resend_after``)
+    transaction.on_commit(
+        lambda: _sent_or_marked_unsent(alias, name, task_id, publish), using=alias
+    )
+    return _in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
 
-    transaction.on_commit(send, using=alias)
-    result = (options.get("result_cls") or app.AsyncResult)(task_id)
-    if to_parent:  # the trail, as Celery's send_task keeps it: now, not at the commit
+
+def _in_trail(app: Any, result: Any, to_parent: bool) -> Any:
+    """``result``, added to the sending task's children as Celery's ``send_task`` does:
+    now, not at the commit."""
+    if to_parent:
         parent = app.current_worker_task
         if parent is not None:
             parent.add_trail(result)
     return result
+
+
+def _unrecorded(
+    alias: str,
+    result: Any,
+    send_later: Callable[[], Any],
+    send_now: Callable[[], Any] | None = None,
+) -> Any:
+    """A job that JSON cannot carry (pickled arguments), so the outbox cannot hold it.
+
+    Inside the transaction that proves an execution's outcome (:func:`plain_sends_recorded`)
+    it is sent when that transaction commits, as a recorded one is: an outcome settled
+    again after a database restart sends it once, and a proof that never commits sends
+    nothing — but a process that dies between the commit and the send loses it. Elsewhere
+    ``send_now()``, as Celery sends it. Returns ``result``, the job's handle.
+    """
+    if send_now is not None and _recording_plain.get(None) != alias:
+        return send_now()
+
+    def send() -> None:
+        try:
+            send_later()
+        except Exception:
+            logger.exception(
+                "task %s: not sent (the outbox could not hold it)",
+                result.id,
+                extra={"task_id": result.id},
+            )
+
+    transaction.on_commit(send, using=alias)
+    return result
+
+
+def plain_job_started(task_id: str, request: Any) -> None:
+    """A worker starts a plain task's job the outbox holds (its message carries
+    :data:`PLAIN_HEADER`): its row ends — it is not sent again. Not ended (the database
+    away), the reclaimer may send it again: a plain job is at least once."""
+    from celery_fenced import store
+
+    if not getattr(request, PLAIN_HEADER, None):
+        return
+    try:
+        store.forget_pending(store.database_alias(), task_id)
+    except DatabaseError:
+        logger.warning(
+            "task %s: started, but its outbox row could not be ended; the reclaimer may send "
+            "it again",
+            task_id,
+            exc_info=True,
+            extra={"task_id": task_id},
+        )
 
 
 def _sent_or_marked_unsent(
@@ -247,7 +305,11 @@ def publish(
     alias = store.database_alias()
     pending = _pending(task, args, kwargs, task_id, options)
     if pending is None:
-        return send(False)
+        handle: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
+        sent: AsyncResult[Any] = _unrecorded(
+            alias, handle, lambda: send(True), lambda: send(False)
+        )
+        return sent
     in_transaction = connections[alias].in_atomic_block
     # the database away for a moment (a restart, a failover) is waited out, as a result
     # write waits; then, or inside the caller's transaction, its error is the caller's:
@@ -593,8 +655,6 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         max_sends,
         extra=extra,
     )
-    if due.plain:  # no grant will end it: its sending does
-        store.forget_pending(alias, due.task_id)
     _signal(signals.lease_resent, due, attempt=due.sends)
     return outcome("resent")
 

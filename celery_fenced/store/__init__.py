@@ -25,6 +25,7 @@ from celery_fenced.store.fenced import (
     prove_for_result,
     reject_stale,
     release_with_result,
+    released_as,
     time_limited,
     writes_result_in_release,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "record_resent",
     "reject_stale",
     "release_with_result",
+    "released_as",
     "renew_many",
     "settle_elsewhere",
     "time_limited",

@@ -195,6 +195,21 @@ def prove_for_result(
     return ok, current
 
 
+def released_as(lease: HeldLease, status: str) -> bool:
+    """Whether ``lease``'s grant was released in ``status`` by its holder's outcome (a
+    commit whose answer was lost with the connection): its row still carries its token."""
+    return (
+        Lease._default_manager.using(lease.alias)
+        .filter(
+            key=lease.key,
+            token=lease.token,
+            released_at__isnull=False,
+            release_state=status[:16],
+        )
+        .exists()
+    )
+
+
 def writes_result_in_release(alias: str) -> bool:
     """Whether a success's result row can be written by the statement that releases."""
     return RESULT_ROW_KNOWN and dialects.for_alias(alias).RELEASES_WITH_RESULT

@@ -30,7 +30,7 @@ class Due:
     job: str
     sends: int
     eta: dt.datetime | None = None
-    #: a plain task's job: its row ends once it is sent
+    #: a plain task's job: its row ends when a worker starts it (no grant)
     plain: bool = False
 
 

@@ -132,6 +132,43 @@ def test_redis_emptied_mid_run__every_job_completes_exactly_once(
     assert not PendingJob.objects.using(lease_db).filter(task_id__in=ids).exists()
 
 
+def test_plain_callback_lost_with_redis__sent_again_and_runs_once(
+    lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
+) -> None:
+    """A fenced job's plain ``link`` callback is sent on its success and lost when Redis
+    restarts empty before any worker takes it: its outbox row still stands (it ends when a
+    worker starts the job), so the reclaimer sends it again and it runs once."""
+    from devtools.workers import Worker
+    from testproject.demo.models import LedgerEntry
+
+    start_worker("a")
+    later = f"{start_worker.queue}-callbacks"  # no worker takes it yet: it sits in Redis
+    callback = publisher.tasks["testproject.demo.tasks.apply_effect"].si("lost-cb", "applied")
+    result = publisher.tasks[PROBE].apply_async(
+        kwargs={"marker": "parent"}, queue=start_worker.queue, link=callback.set(queue=later)
+    )
+    assert finished(lease_db, result.id) == "SUCCESS"
+    client = redis.Redis.from_url(os.environ["FENCED_REDIS_URL"])
+    wait_for(lambda: client.llen(later) == 1, 30, "the callback to be queued")
+    (row,) = PendingJob.objects.using(lease_db).all()  # sent, not started: it stands
+    assert row.task_name == "testproject.demo.tasks.apply_effect"
+    client.flushall()  # a restart, empty: the callback's message is gone
+    assert [o.action for o in resend_pending(publisher)] == []  # not due yet
+    PendingJob.objects.using(lease_db).update(resend_at=row.published_at)
+    assert [o.action for o in resend_pending(publisher)] == ["resent"]
+    worker = Worker("b", database=lease_db, queue=later, log_dir=tmp_path)
+    try:
+        worker.wait_ready()
+        entries = LedgerEntry.objects.using(lease_db).filter(job="lost-cb")
+        wait_for(lambda: entries.count() == 1, 90, "the callback to run")
+        rows = PendingJob.objects.using(lease_db)
+        wait_for(lambda: not rows.exists(), 30, "the callback's row to end")
+        assert resend_pending(publisher) == []
+        assert entries.count() == 1
+    finally:
+        worker.stop()
+
+
 def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
     lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
 ) -> None:

@@ -20,9 +20,17 @@ from kombu.exceptions import OperationalError as BrokerDown
 from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.hooks import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
-from celery_fenced.outbox import resend_pending
+from celery_fenced.outbox import PLAIN_HEADER, resend_pending
 from tests.conftest import DATABASE_ALIASES
-from tests.integration.test_seams import Broker, Execution, deliver, expire, granted, status
+from tests.integration.test_seams import (
+    RUNS,
+    Broker,
+    Execution,
+    deliver,
+    expire,
+    granted,
+    status,
+)
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
@@ -460,12 +468,13 @@ def test_fenced_tasks_task_registered_after_finalize__published_through_the_outb
     assert pending(lease_db) == []
 
 
-def test_plain_callback__recorded_by_the_proof_sent_on_its_commit_then_its_row_ends(
+def test_plain_callback__recorded_by_the_proof_sent_on_its_commit_ended_when_it_starts(
     broker: Broker, lease_db: str
 ) -> None:
     """A plain task sent on by a fenced success (R4) is recorded in the transaction that
     proves the token and sent when it commits (a message cannot be taken back: a proof
-    that never commits is none); sent, its row ends. It is the parent's child."""
+    that never commits is none); its row ends when a worker starts it. It is the
+    parent's child."""
     app = broker.app
     seen: list[int] = []
 
@@ -484,8 +493,55 @@ def test_plain_callback__recorded_by_the_proof_sent_on_its_commit_then_its_row_e
     assert seen == [1]  # recorded before it was sent
     (headers, body) = broker.one("seams.sink")
     assert list(body[0]) == ["p@1"]
-    assert pending(lease_db) == []  # sent: ended
+    assert headers[PLAIN_HEADER] == 1
+    assert [row.task_id for row in pending(lease_db)] == [headers["id"]]  # sent, not started
     assert [c.id for c in app.AsyncResult(result.id).children] == [headers["id"]]
+    deliver(app, broker.one("seams.sink"))
+    assert pending(lease_db) == []  # started: ended
+    assert resend_pending(app, using=lease_db) == []
+
+
+def test_plain_callback__lost_by_the_broker__sent_again_once_by_the_reclaimer(
+    broker: Broker, lease_db: str
+) -> None:
+    """The plain callback's message is lost by the broker (Redis restarted empty) before
+    any worker started it: its row is still pending, so the reclaimer sends it again
+    (same task id, same arguments) — once: the copy that starts ends the row."""
+    app = broker.app
+    app.signature("seams.step", ("l",)).apply_async(link=app.signature("seams.sink"))
+    deliver(app, broker.one("seams.step"))
+    (lost_headers, _body) = broker.one("seams.sink")  # never delivered: lost
+    make_due(lease_db)
+    assert [o.action for o in resend_pending(app, using=lease_db)] == ["resent"]
+    resent = broker.sent("seams.sink")[-1]
+    assert resent[0]["id"] == lost_headers["id"]
+    assert list(resent[1][0]) == ["l@1"]
+    assert resent[0][PLAIN_HEADER] == 1  # its starting ends the row again
+    deliver(app, resent)
+    assert pending(lease_db) == []
+    make_due(lease_db)
+    assert resend_pending(app, using=lease_db) == []
+    assert len(broker.sent("seams.sink")) == 2
+    assert [run[1] for run in RUNS if run[0] == "seams.sink"] == [("l@1",)]  # ran once
+
+
+def test_plain_callback__revoked_at_the_worker__its_row_ends(
+    broker: Broker, lease_db: str
+) -> None:
+    """A worker that discards the plain callback's message as revoked (or expired) ends
+    its row: it is never sent again."""
+    from celery import signals as celery_signals
+    from celery.app.task import Context
+
+    app = broker.app
+    app.signature("seams.step", ("v",)).apply_async(link=app.signature("seams.sink"))
+    deliver(app, broker.one("seams.step"))
+    (headers, _body) = broker.one("seams.sink")
+    # what the worker sends for a revoked request: its context, the headers as attributes
+    celery_signals.task_revoked.send(
+        app.tasks["seams.sink"], request=Context(headers), terminated=False, expired=False
+    )
+    assert pending(lease_db) == []
 
 
 def test_plain_callback__broker_down_at_the_commit__sent_by_the_reclaimer_once(
@@ -511,9 +567,10 @@ def test_plain_callback__broker_down_at_the_commit__sent_by_the_reclaimer_once(
     monkeypatch.undo()
     outcomes = resend_pending(app, using=lease_db)
     assert [(o.action, o.reason) for o in outcomes] == [("resent", "")]
-    (_headers, body) = broker.one("seams.sink")
-    assert list(body[0]) == ["d@1"]
-    assert pending(lease_db) == []  # sent: ended, never sent again
+    message = broker.one("seams.sink")
+    assert list(message[1][0]) == ["d@1"]
+    deliver(app, message)
+    assert pending(lease_db) == []  # started: ended, never sent again
     assert resend_pending(app, using=lease_db) == []
 
 

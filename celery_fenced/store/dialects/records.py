@@ -296,5 +296,5 @@ class Pending:
     unique: str | None = None
     #: a re-publish of the job running now (its retry): it keeps its place
     same_job: bool = False
-    #: a plain task's job (no lease): its row ends when it is sent, not at a grant
+    #: a plain task's job (no lease): its row ends when a worker starts it, not at a grant
     plain: bool = False
