@@ -583,7 +583,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             decoded = self.decode(meta) if meta else {}
         except Exception:
             return True
-        token = decoded.get("fencing_token") if isinstance(decoded, dict) else None
+        if not isinstance(decoded, dict):
+            return True
+        if existing_status in states.READY_STATES and decoded.get("stale_fencing_token"):
+            # a stale report's FAILURE(StaleToken), recorded as the job's one outcome (its
+            # job ended, see _refuse): not a busy copy's RETRY written after it
+            return False
+        token = decoded.get("fencing_token")
         if token is None:
             return True
         if existing_status in states.READY_STATES:

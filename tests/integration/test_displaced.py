@@ -4,6 +4,8 @@ adversarial review of the hand-over; through Celery's tracer on both databases."
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from celery import chain, states
 
@@ -96,6 +98,46 @@ def test_displaced_copy_busy_retrying__the_stale_report_ends_the_retry_too(
         ((states.FAILURE, states.FAILURE), (1, 0)),
         ((states.SUCCESS, states.SUCCESS), (0, 1)),
     }, (outcomes, drives, left)
+
+
+def test_displaced_copy_busy__its_retry_state_written_after_the_stale_report__failure_stands(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-sent copy A2 finds B holding the key and is retried; A1 reports between
+    A2's busy check and A2's RETRY state write (seen in the long chaos run): A1's
+    FAILURE(StaleToken) is the job's one outcome — A2's untokened RETRY must not write
+    over it, or the job ends RETRY for ever (its retry is a completed duplicate)."""
+    import threading
+
+    from celery_fenced.backends import FencedDatabaseBackend
+    from tests.integration.test_seams import Execution
+
+    app = broker.app
+    a_id, a, b = _chain_taken_over(broker, lease_db, "w")
+    resend_pending(app)
+    reached, go_on = threading.Event(), threading.Event()
+    original = FencedDatabaseBackend.mark_as_retry
+
+    def held_retry(self: Any, task_id: str, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "A2":
+            reached.set()
+            assert go_on.wait(60)
+        return original(self, task_id, *args, **kwargs)
+
+    monkeypatch.setattr(FencedDatabaseBackend, "mark_as_retry", held_retry)
+    a2 = Execution(app, broker.sent("seams.step")[-1], "A2")  # busy: B holds the key
+    assert reached.wait(30), "A2 was never retried"
+    a.finish()  # A1's stale report: FAILURE(StaleToken)
+    assert status(lease_db, a_id)[0] == states.FAILURE
+    go_on.set()
+    a2.finish()  # A2 writes its RETRY state now
+    retry = broker.sent("seams.step")[-1]
+    assert retry[0]["id"] == a_id
+    b.finish()
+    deliver(app, retry)  # a completed duplicate: skipped
+    assert status(lease_db, a_id)[0] == states.FAILURE
+    assert len(broker.sent("seams.errback")) == 1
+    assert broker.sent("seams.sink") == []
 
 
 def test_displaced_execution_killed_by_time_limit__its_failure_ends_the_job(
