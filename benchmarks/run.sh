@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The benchmarks, on a fresh machine: creates .venv (like tests/run.sh), installs the package
-# with its test and bench extras, then `python -m benchmarks`, which starts throwaway
-# PostgreSQL and Redis servers (installing them with apt when missing and root), runs every
-# benchmark, prints one table, writes it into docs/benchmarks.md (+ docs/benchmarks.svg) and
-# stops the servers. 5-7 minutes on 2 cores; `bash benchmarks/run.sh --quick` takes about 2.
+# with the extras postgres and redis and the bench dependency group, then
+# `python -m benchmarks`, which starts throwaway PostgreSQL and Redis servers (installing
+# them with apt when missing and root), runs every benchmark, prints one table, writes it
+# into docs/benchmarks.md (+ docs/benchmarks.svg) and stops the servers. 5-7 minutes on
+# 2 cores; `bash benchmarks/run.sh --quick` takes about 2.
 # Arguments go to `python -m benchmarks` (--quick, --smoke, --only ROW, --no-write, --json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +14,8 @@ VENV=${FENCED_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+# dependency groups (PEP 735) need pip 25.1 or newer
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check 'pip>=25.1'
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -e '.[postgres,redis]' --group bench
 exec "$VENV/bin/python" -m benchmarks "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: creates .venv, installs the package with its
-# test and lint extras, starts throwaway PostgreSQL and Redis servers (installing them with
-# apt when missing and root), runs ruff, mypy and pytest, and stops the servers.
+# The whole test suite, on a fresh machine: creates .venv, installs the package with the
+# extras it tests and the test, lint and docs dependency groups, starts throwaway
+# PostgreSQL and Redis servers (installing them with apt when missing and root), runs
+# ruff, mypy and pytest, and stops the servers.
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,10 @@ VENV=${FENCED_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,lint,docs]'
+# dependency groups (PEP 735) need pip 25.1 or newer
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check 'pip>=25.1'
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    -e '.[postgres,redis,metrics]' --group test --group lint --group docs
 
 # the admin's browser tests drive Debian's chromium (installed with apt when missing)
 "$VENV/bin/python" -m devtools.services chromium >/dev/null

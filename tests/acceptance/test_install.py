@@ -1,8 +1,8 @@
 """The wheel, installed into a clean venv with only the documented runtime extras, runs a
 fenced task through a real worker on Redis and on the filesystem broker.
 
-Nothing of the test extras is installed there: a runtime dependency that only a test
-extra brings (kombu's Redis transport needs ``packaging``) fails here. pip reaches the
+Nothing of the test dependency groups is installed there: a runtime dependency that only
+a test tool brings (kombu's Redis transport needs ``packaging``) fails here. pip reaches the
 package index; its cache makes a repeated install fast.
 """
 
