@@ -139,9 +139,25 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         state: str = states.REVOKED,
     ) -> None:
         def drive() -> None:
-            super(FencedDatabaseBackend, self).mark_as_revoked(
-                task_id, reason, request, store_result, state
-            )
+            alias = router.db_for_write(self.TaskModel)
+            with transaction.atomic(using=alias):
+                # the task id's result lock to the commit: two revocations of an expired
+                # job (by the worker that discards its message, by the outbox's reclaimer)
+                # cannot both find no outcome; the second records nothing and does not
+                # count its chord part again
+                store.lock_for_result(alias, task_id)
+                rows = self.TaskModel._default_manager.using(alias)
+                if rows.filter(task_id=task_id, status__in=states.READY_STATES).exists():
+                    logger.info(
+                        "task %s: %s not recorded over its final outcome",
+                        task_id,
+                        state,
+                        extra={"task_id": task_id},
+                    )
+                    return
+                super(FencedDatabaseBackend, self).mark_as_revoked(
+                    task_id, reason, request, store_result, state
+                )
 
         self._report(task_id, reason, state, request, drive)
 

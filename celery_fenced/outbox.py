@@ -148,8 +148,10 @@ def _record_plain(
     task_id = options.pop("task_id", None) or uuid()
     to_parent = options.pop("add_to_parent", True)
     args, kwargs = list(args or ()), dict(kwargs or {})
-    headers = options.get("headers")
-    options["headers"] = {**(headers if isinstance(headers, Mapping) else {}), PLAIN_HEADER: 1}
+    held = _held_until_started(app, name)
+    if held:
+        headers = options.get("headers")
+        options["headers"] = {**(headers if isinstance(headers, Mapping) else {}), PLAIN_HEADER: 1}
     pending = _row(app, name, args, kwargs, task_id, options, plain=True)
     # what the caller lent (a group's producer) is back in its pool by the commit
     kept = {k: v for k, v in options.items() if k not in ("producer", "result_cls")}
@@ -174,11 +176,13 @@ def _record_plain(
         else:
             original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept)
 
-    # its row stays until a worker starts the job (or, not started, the reclaimer sends
-    # it again after ``fenced_outbox_resend_after``)
-    transaction.on_commit(
-        lambda: _sent_or_marked_unsent(alias, name, task_id, publish), using=alias
-    )
+    def send() -> None:
+        # held: its row stays until a worker starts the job (or, not started, the
+        # reclaimer sends it again after ``fenced_outbox_resend_after``)
+        if _sent_or_marked_unsent(alias, name, task_id, publish) and not held:
+            _sent_ends_row(alias, name, task_id)
+
+    transaction.on_commit(send, using=alias)
     return _in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
 
 
@@ -221,6 +225,32 @@ def _unrecorded(
 
     transaction.on_commit(send, using=alias)
     return result
+
+
+def _held_until_started(app: Any, name: str) -> bool:
+    """Whether a recorded plain sending of task ``name`` stays in the outbox until a worker
+    starts it: a plain task's (the worker's ``task_prerun`` ends it). A fenced task whose
+    outbox is off (``fenced_outbox``/``lease_outbox``) reaches Celery's ``send_task``
+    too: sent on the commit, its row ends once it is sent, as its own publishes keep none."""
+    from celery_fenced.execution import FencedExecution
+
+    return not isinstance(app.tasks.get(name), FencedExecution)
+
+
+def _sent_ends_row(alias: str, name: str, task_id: str) -> None:
+    from celery_fenced import store
+
+    try:
+        store.forget_pending(alias, task_id)
+    except DatabaseError:  # the reclaimer will send it again: at least once
+        logger.warning(
+            "task %s[%s]: sent, but its outbox row could not be ended; the reclaimer may "
+            "send it again",
+            name,
+            task_id,
+            exc_info=True,
+            extra={"task_id": task_id},
+        )
 
 
 def plain_job_started(task_id: str, request: Any) -> None:
@@ -532,7 +562,8 @@ def resend_pending(
     """Send again every pending job due (``fenced_outbox_resend_after`` past its ETA or
     its last sending) with its task id; abandon it after ``fenced_reclaim_max`` sendings.
 
-    Expired jobs (``expires`` passed) are deleted, never sent. Each row is claimed by a
+    Expired jobs (``expires`` passed ``fenced_outbox_resend_after`` ago, never started)
+    get their ``REVOKED`` outcome, never a sending. Each row is claimed by a
     conditional statement, so several reclaimers send each due job once.
     """
     from celery_fenced import conf, store
@@ -546,7 +577,8 @@ def resend_pending(
         raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
     alias = store.database_alias(using)
     outcomes: list[Resent] = [
-        _revoke_expired(app, alias, row) for row in store.expired_rows(alias, limit)
+        _revoke_expired(app, alias, row)
+        for row in store.expired_rows(alias, limit, grace=settings.outbox_resend_after)
     ]
     while True:
         claimed, more = store.claim_due(
@@ -655,6 +687,8 @@ def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Rese
         max_sends,
         extra=extra,
     )
+    if due.plain and not (job.options.get("headers") or {}).get(PLAIN_HEADER):
+        store.forget_pending(alias, due.task_id)  # not held until started: sent, it ends
     _signal(signals.lease_resent, due, attempt=due.sends)
     return outcome("resent")
 

@@ -72,10 +72,14 @@ def forget_pending(alias: str, task_id: str) -> int:
     return deleted
 
 
-def expired_rows(alias: str, limit: int) -> list[tuple[int, str, str, str]]:
+def expired_rows(alias: str, limit: int, grace: float) -> list[tuple[int, str, str, str]]:
     """``(id, task id, task name, job)`` of up to ``limit`` pending jobs whose ``expires``
-    has passed before any worker started them (a started ``until_done`` row runs on)."""
-    rows = PendingJob.objects.using(alias).filter(expires_at__lte=Now(), started_token=None)
+    passed ``grace`` seconds ago and no worker started them (a started ``until_done`` row
+    runs on). Within the grace, a message still queued reaches a worker, which discards
+    it as expired and records its ``REVOKED`` itself."""
+    rows = PendingJob.objects.using(alias).filter(
+        expires_at__lte=Now() - dt.timedelta(seconds=grace), started_token=None
+    )
     return list(rows.order_by("id").values_list("id", "task_id", "task_name", "job")[:limit])
 
 

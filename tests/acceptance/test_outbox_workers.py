@@ -6,14 +6,18 @@ publisher: a web request, say); the workers take them from Redis.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import socket
+import time
 from typing import Any
 
 import pytest
 import redis
+from celery import chain, chord
 from django.db import transaction
-from django_celery_results.models import TaskResult
+from django.utils import timezone
+from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
@@ -29,6 +33,7 @@ pytestmark = [
 ]
 
 PROBE = "testproject.demo.tasks.probe"
+EFFECT = "testproject.demo.tasks.apply_effect"
 
 
 def publishing_app(broker_url: str) -> Any:
@@ -165,6 +170,68 @@ def test_plain_callback_lost_with_redis__sent_again_and_runs_once(
         wait_for(lambda: not rows.exists(), 30, "the callback's row to end")
         assert resend_pending(publisher) == []
         assert entries.count() == 1
+    finally:
+        worker.stop()
+
+
+def test_plain_chord_member_expired_in_a_backlog__the_chord_body_still_settles(
+    lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
+) -> None:
+    """A fenced job's chain sends on a chord of plain tasks; one member expires in a
+    backlog no worker takes yet: the reclaimer records its REVOKED, then a worker reaches
+    the message and discards it — counted once, so the chord body is settled, not lost."""
+    from devtools.workers import Worker
+
+    start_worker("a")
+    later = f"{start_worker.queue}-later"  # a backlog: no worker reaches it yet
+    effect = publisher.tasks[EFFECT]
+    result_expiry = [time.time() + 3.5]
+    header = [
+        effect.si("member-a", "A").set(queue=later, expires=3),
+        effect.si("member-b", "B").set(queue=later),
+        effect.si("member-c", "C").set(queue=start_worker.queue),
+    ]
+    body = effect.si("body", "BODY").set(queue=start_worker.queue)
+    result = chain(
+        publisher.tasks[PROBE].si(marker="parent").set(queue=start_worker.queue),
+        chord(header, body),
+    ).apply_async()
+    results = TaskResult.objects.using(lease_db)
+    wait_for(
+        lambda: results.filter(task_name=EFFECT, status="SUCCESS").count() == 1, 90, "member c"
+    )
+    assert PendingJob.objects.using(lease_db).filter(plain=True).count() == 2  # a and b
+    wait_for(
+        lambda: time.time() > result_expiry[0], 30, "member a's expires to pass in the backlog"
+    )
+    # ... and fenced_outbox_resend_after too: the reclaimer records its REVOKED
+    PendingJob.objects.using(lease_db).filter(expires_at__isnull=False).update(
+        expires_at=timezone.now() - dt.timedelta(hours=1)
+    )
+    assert [o.action for o in resend_pending(publisher)] == ["revoked"]
+    worker = Worker("b", database=lease_db, queue=later, log_dir=tmp_path)
+    try:
+        worker.wait_ready()
+        wait_for(
+            lambda: results.filter(task_name=EFFECT, status="SUCCESS").count() == 2,
+            90,
+            "member b",
+        )
+        deadline = time.monotonic() + 60  # the body's outcome follows member b's
+        while time.monotonic() < deadline and not results.filter(task_id=result.id).exists():
+            time.sleep(0.1)
+        counters = list(ChordCounter.objects.using(lease_db).values_list("count", flat=True))
+        body_state = results.filter(task_id=result.id).values_list("status", flat=True).first()
+        # every member is final (a REVOKED, b and c SUCCESS): as without the sweep, the
+        # body is failed with a ChordError (or run) — never left PENDING for ever
+        assert body_state in ("SUCCESS", "FAILURE"), (
+            f"chord body {result.id}: state {body_state}, chord counters {counters}\n"
+            + "\n".join(
+                line
+                for line in worker.output().splitlines()
+                if "Discarding" in line or "ChordCounter" in line or "succeeded" in line
+            )
+        )
     finally:
         worker.stop()
 

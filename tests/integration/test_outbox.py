@@ -169,7 +169,7 @@ def test_expired_job__its_revoked_recorded_never_sent_again(broker: Broker, leas
     """Its message lost, its ``expires`` passed before the re-send: the reclaimer records
     ``REVOKED`` (as the worker does for an expired message), ends its row, sends nothing."""
     result = broker.app.signature("seams.step", ("e",)).apply_async(expires=60)
-    make_due(lease_db, expires_at=F("published_at"))
+    make_due(lease_db, expires_at=F("published_at") - dt.timedelta(hours=1))
     assert [(o.task_id, o.action) for o in resend_pending(broker.app)] == [(result.id, "revoked")]
     assert status(lease_db, result.id)[0] == states.REVOKED
     assert pending(lease_db) == []
