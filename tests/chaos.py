@@ -922,7 +922,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     ]:
         seam_counts[kind] += 1
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
-        violation(kind, where if kind == "ended-by-other" else "", text, cause)
+        violation(kind, where if kind in ("ended-by-other", "permits") else "", text, cause)
 
     kinds = Counter(e.kind for evs in history.values() for e in evs)
     reruns = sum(
@@ -969,10 +969,15 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     ]
     evidence = []
     for key in sorted({v.key for v in violations if v.key})[:8]:
-        evidence.append(f"-- events of {key!r}:")
-        for e in history.get(key, []):
+        evidence.append(f"-- events of {key!r} (and of its permits):")
+        related = [k for k in history if k == key or k.startswith(key + "\x1f")]
+        for lease_key, e in sorted(
+            ((k, e) for k in related for e in history[k]), key=lambda pair: pair[1].id
+        ):
+            permit = permits.split(lease_key)[1]
             evidence.append(
-                f"   {e.id:>7} {e.at:%H:%M:%S.%f} {e.kind:<21} token={e.token} "
+                f"   {e.id:>7} {e.at:%H:%M:%S.%f} {e.kind:<21} "
+                f"{'' if permit is None else f'permit={permit} '}token={e.token} "
                 f"task={e.task_id[:8]} owner={e.owner[:40]} {json.dumps(e.detail)[:120]}"
             )
     return Report(rows_out, violations, evidence)

@@ -66,9 +66,11 @@ class PermitGrants:
         head = self._head(request)
         if isinstance(head, Holder):
             return head
-        now = self.now()
         names = [permits.permit_key(key, i) for i in range(max(head.permits, limit))]
         found = {row.key: row for row in rows.select_for_update().filter(key__in=names)}
+        # the clock once the permit rows are locked: a release this transaction waited
+        # for came before the grant, in the key's history too
+        now = self.now()
         delivery = request.delivery
         # the key's own row too: a job completed there before the key had permits
         if delivery is not None and self._permit_completed(
