@@ -50,15 +50,9 @@ def discard_at_worker(app: Any, message: tuple[dict[str, Any], Any]) -> None:
         state.revoked.discard(headers["id"])
 
 
-def test_plain_chord_member_expired_in_the_queue__counted_once__body_settled(
-    broker: Broker, lease_db: str
-) -> None:
-    """A fenced step's chain sends on a chord of plain tasks; one header member has an
-    ``expires`` and waits in a backlog past it, longer than
-    ``fenced_outbox_resend_after``: the reclaimer records its REVOKED (counting the chord
-    part); the worker that then takes the message discards it as expired — REVOKED is
-    not recorded, nor the part counted, a second time. The chord body is settled (failed:
-    a member was revoked), not lost."""
+def _chord_with_an_expiring_member(broker: Broker) -> tuple[Any, dict[tuple[str, ...], Any]]:
+    """A fenced step whose chain sends on a chord of plain members a, b, c (a expires
+    after 1 s), the step delivered: the chord's result and the members' messages."""
     app = broker.app
     header = [
         app.signature("seams.sink", ("a",), immutable=True).set(expires=1),
@@ -69,7 +63,20 @@ def test_plain_chord_member_expired_in_the_queue__counted_once__body_settled(
         app.signature("seams.step", ("x",)), chord(header, app.signature("seams.sink"))
     ).apply_async()
     deliver(app, broker.one("seams.step"))
-    members = {tuple(m[1][0]): m for m in broker.sent("seams.sink")}
+    return result, {tuple(m[1][0]): m for m in broker.sent("seams.sink")}
+
+
+def test_plain_chord_member_expired_in_the_queue__counted_once__body_settled(
+    broker: Broker, lease_db: str
+) -> None:
+    """A fenced step's chain sends on a chord of plain tasks; one header member has an
+    ``expires`` and waits in a backlog past it, longer than
+    ``fenced_outbox_resend_after``: the reclaimer records its REVOKED (counting the chord
+    part); the worker that then takes the message discards it as expired — REVOKED is
+    not recorded, nor the part counted, a second time. The chord body is settled (failed:
+    a member was revoked), not lost."""
+    app = broker.app
+    result, members = _chord_with_an_expiring_member(broker)
     assert set(members) == {("a",), ("b",), ("c",)}
     assert PendingJob.objects.using(lease_db).count() == 3  # sent, not started
     time.sleep(1.5)  # "a" waits in the queue past its expires
@@ -95,20 +102,10 @@ def test_plain_chord_member_expired_in_the_queue__discarded_by_the_worker__body_
     broker: Broker, lease_db: str
 ) -> None:
     """The same member discarded by the worker first: the reclaimer then finds no
-    expired row (the worker's ``task_revoked`` ended it) and records nothing."""
-    """The same workflow when no sweep ran first (as before plain rows outlived their
-    sending): the body is failed with a ChordError once every member is final."""
+    expired row (the worker's ``task_revoked`` ended it) and records nothing; the body
+    is failed with a ChordError once every member is final."""
     app = broker.app
-    header = [
-        app.signature("seams.sink", ("a",), immutable=True).set(expires=1),
-        app.signature("seams.sink", ("b",), immutable=True),
-        app.signature("seams.sink", ("c",), immutable=True),
-    ]
-    result = chain(
-        app.signature("seams.step", ("x",)), chord(header, app.signature("seams.sink"))
-    ).apply_async()
-    deliver(app, broker.one("seams.step"))
-    members = {tuple(m[1][0]): m for m in broker.sent("seams.sink")}
+    result, members = _chord_with_an_expiring_member(broker)
     time.sleep(1.5)
     discard_at_worker(app, members[("a",)])
     PendingJob.objects.using(lease_db).filter(expires_at__isnull=False).update(
