@@ -47,16 +47,16 @@ def test_limit_3__ten_jobs_on_one_key_across_two_workers__never_more_than_3_bodi
         for i in range(10)
     ]
     # three bodies run (held at the file), the others find the key's 3 permits held
+    running = LedgerEntry.objects.using(alias).filter(job="tiles")
     wait_for(
         lambda: (
-            held_permits(alias, "tiles") == 3
-            and LeaseEvent.objects.using(alias).filter(kind="busy").exists()
+            running.count() == 3 and LeaseEvent.objects.using(alias).filter(kind="busy").exists()
         ),
         60,
-        "three permits held and a fourth job refused as busy",
+        "three bodies running and a fourth job refused as busy",
     )
-    running = LedgerEntry.objects.using(alias).filter(job="tiles")
-    assert running.count() == 3
+    assert held_permits(alias, "tiles") == 3
+    assert running.count() == 3  # a body starts only under a permit: no fourth
     done.touch()
     outcomes = [result_of(alias, task_id, timeout=180) for task_id in ids]
     assert [status for status, _ in outcomes] == ["SUCCESS"] * 10
