@@ -23,7 +23,7 @@ from django.db import connections
 from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced import FencedTask, StaleToken, fenced_update
-from celery_fenced.models import Lease, LeaseEvent, PendingJob
+from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
 from tests.conftest import DATABASE_ALIASES, terminate_connection
 
@@ -719,50 +719,6 @@ def test_callbacks__published_as_the_tracer_publishes_them(broker: Broker, lease
     finally:
         signals.before_task_publish.disconnect(record)
     assert seen == [True, True]
-
-
-@pytest.mark.parametrize("link", [False, True], ids=["chain step", "link callback"])
-def test_database_restart_while_successors_are_recorded__settled_again_sends_them_once(
-    broker: Broker, lease_db: str, link: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The database restarts while the current execution's success is settled, after its
-    proof and as its next chain step (or link callback) is recorded in the proof's
-    transaction: that transaction is gone, and the outcome is settled again once the
-    database is back. The successor must be recorded and sent by that second attempt —
-    once (the long chaos run lost a chain's next step: the first attempt had used it up)."""
-    from django.db import OperationalError
-
-    from celery_fenced import store
-
-    app = broker.app
-    step = app.signature("seams.step", ("r",))
-    if link:
-        step.apply_async(link=app.signature("seams.sink"))
-    else:
-        chain(step, app.signature("seams.sink")).apply_async()
-    message = broker.one("seams.step")
-    record = store.record_pending
-    restarted: list[str] = []
-
-    def restart_once(alias: str, pending: Any) -> Any:
-        if pending.task_name == "seams.sink" and not restarted:
-            restarted.append(pending.task_id)
-            if lease_db == "postgres":
-                terminate_connection(lease_db)  # the statement meets a closed session
-            else:
-                raise OperationalError("the database system is shutting down")
-        return record(alias, pending)
-
-    monkeypatch.setattr(store, "record_pending", restart_once)
-    deliver(app, message)
-    assert restarted, "the successor was never recorded"
-    assert status(lease_db, message[0]["id"]) == ("SUCCESS", '"r@1"')
-    (sink,) = broker.sent("seams.sink")
-    assert list(sink[1][0]) == ["r@1"]
-    rows = PendingJob.objects.using(lease_db)
-    assert list(rows.values_list("task_id", flat=True)) == [sink[0]["id"]]  # recorded once
-    deliver(app, sink)
-    assert not rows.exists()  # started: its outbox row ended
 
 
 @pytest.mark.filterwarnings("ignore:Exception raised outside body:RuntimeWarning")

@@ -50,6 +50,18 @@ def _restart(lease_db: str) -> None:
         raise OperationalError("the database system is shutting down")
 
 
+def _step_then_sink(broker: Broker, value: str, link: bool) -> tuple[dict[str, Any], Any]:
+    """``seams.step(value)`` whose success sends ``seams.sink`` on — its chain's next step,
+    or its ``link`` callback: the step's message."""
+    app = broker.app
+    step = app.signature("seams.step", (value,))
+    if link:
+        step.apply_async(link=app.signature("seams.sink"))
+    else:
+        chain(step, app.signature("seams.sink")).apply_async()
+    return broker.one("seams.step")
+
+
 def _fail_result_row_once(monkeypatch: pytest.MonkeyPatch, lease_db: str) -> list[str]:
     """The database restarts as the proven success writes its result row (after its
     successors were sent or recorded, in the same transaction)."""
@@ -74,6 +86,41 @@ def _started(broker: Broker, lease_db: str, name: str) -> None:
     for message in broker.sent(name):
         deliver(broker.app, message)
     assert not PendingJob.objects.using(lease_db).exists()
+
+
+# -- the successors a lost attempt recorded are recorded again
+@pytest.mark.parametrize("link", [False, True], ids=["chain step", "link callback"])
+def test_database_restart_while_successors_are_recorded__settled_again_sends_them_once(
+    broker: Broker, lease_db: str, link: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database restarts while the current execution's success is settled, after its
+    proof and as its next chain step (or link callback) is recorded in the proof's
+    transaction: that transaction is gone, and the outcome is settled again once the
+    database is back. The successor must be recorded and sent by that second attempt —
+    once (the long chaos run lost a chain's next step: the first attempt had used it up)."""
+    from celery_fenced import store
+
+    app = broker.app
+    message = _step_then_sink(broker, "r", link)
+    record = store.record_pending
+    restarted: list[str] = []
+
+    def restart_once(alias: str, pending: Any) -> Any:
+        if pending.task_name == "seams.sink" and not restarted:
+            restarted.append(pending.task_id)
+            _restart(lease_db)  # the statement meets a closed session
+        return record(alias, pending)
+
+    monkeypatch.setattr(store, "record_pending", restart_once)
+    deliver(app, message)
+    assert restarted, "the successor was never recorded"
+    assert status(lease_db, message[0]["id"]) == ("SUCCESS", '"r@1"')
+    (sink,) = broker.sent("seams.sink")
+    assert list(sink[1][0]) == ["r@1"]
+    rows = PendingJob.objects.using(lease_db)
+    assert list(rows.values_list("task_id", flat=True)) == [sink[0]["id"]]  # recorded once
+    deliver(app, sink)
+    assert not rows.exists()  # started: its outbox row ended
 
 
 # -- a successor the outbox cannot record is sent once per attempt -------------
@@ -141,12 +188,7 @@ def test_database_restart__result_children_are_the_successors_sent(
     step twice, nor a link callback's task id that was never sent (a caller collecting
     the children would wait for it forever)."""
     app = broker.app
-    step = app.signature("seams.step", ("r",))
-    if link:
-        step.apply_async(link=app.signature("seams.sink"))
-    else:
-        chain(step, app.signature("seams.sink")).apply_async()
-    message = broker.one("seams.step")
+    message = _step_then_sink(broker, "r", link)
     restarted = _fail_result_row_once(monkeypatch, lease_db)  # after the successor
     deliver(app, message)
     assert restarted
@@ -161,10 +203,17 @@ def test_database_restart__result_children_are_the_successors_sent(
 
 # -- a commit whose answer was lost is recorded as a stale write ---------------
 def _lose_commit_answer(
-    monkeypatch: pytest.MonkeyPatch, lease_db: str, state: str, after: Any = None
+    monkeypatch: pytest.MonkeyPatch,
+    lease_db: str,
+    state: str,
+    after: Any = None,
+    *,
+    committed: bool = True,
 ) -> list[str]:
-    """The settling transaction of ``state`` commits, and its answer is lost: Django
-    sees an OperationalError at COMMIT (its on-commit hooks are dropped)."""
+    """The COMMIT of the first transaction settling ``state`` fails: Django sees an
+    OperationalError there (its on-commit hooks are dropped). ``committed``: the server
+    did commit and only the answer was lost (``after()`` runs between the two); else the
+    database went away before the commit. Returns the task id it happened to, once it has."""
     from celery_fenced import store
 
     prove = store.prove_for_result
@@ -180,16 +229,20 @@ def _lose_commit_answer(
     wrapper = type(connections[lease_db])
     commit = wrapper.commit
 
-    def commit_then_lose(self: Any) -> None:
+    def failing_commit(self: Any) -> None:
+        if not (armed and not fired and self.alias == lease_db):
+            commit(self)
+            return
+        fired.append(armed[0])
+        if not committed:
+            raise OperationalError("the database system is shutting down")
         commit(self)
-        if armed and not fired and self.alias == lease_db:
-            fired.append(armed[0])
-            if after is not None:
-                after()
-            raise OperationalError("server closed the connection unexpectedly")
+        if after is not None:
+            after()
+        raise OperationalError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(store, "prove_for_result", prove_and_arm)
-    monkeypatch.setattr(wrapper, "commit", commit_then_lose)
+    monkeypatch.setattr(wrapper, "commit", failing_commit)
     return fired
 
 
@@ -348,26 +401,9 @@ def test_chord_last_part_settled_again__body_once(
 
         monkeypatch.setattr(dcr, "trigger_callback", trigger)
     else:
-        from celery_fenced import store
-
-        prove = store.prove_for_result
-        wrapper = type(connections[lease_db])
-        commit = wrapper.commit
-
-        def prove_and_arm(lease: Any, task_id: str, status_: str, **kwargs: Any) -> Any:
-            fired.append("armed")
-            return prove(lease, task_id, status_, **kwargs)
-
-        def lost(self: Any) -> None:
-            if fired == ["armed"]:
-                fired.append("x")
-                raise OperationalError("the database system is shutting down")
-            commit(self)
-
-        monkeypatch.setattr(store, "prove_for_result", prove_and_arm)
-        monkeypatch.setattr(wrapper, "commit", lost)
+        fired = _lose_commit_answer(monkeypatch, lease_db, "SUCCESS", committed=False)
     deliver(app, second)
-    assert "x" in fired
+    assert fired
     assert [sorted(body[0][0]) for _, body in broker.sent("seams.sink")] == [["a@1", "b@1"]]
     assert not ChordCounter.objects.using(lease_db).exists()
     assert not any(r[0] == "seams.sink" for r in RUNS)
@@ -380,12 +416,7 @@ def test_recorded_successor__taken_over_while_the_database_was_away__stale_sends
     from celery_fenced import outages
 
     app = broker.app
-    step = app.signature("seams.step", ("t",))
-    if link:
-        step.apply_async(link=app.signature("seams.sink"))
-    else:
-        chain(step, app.signature("seams.sink")).apply_async()
-    message = broker.one("seams.step")
+    message = _step_then_sink(broker, "t", link)
     task_id = message[0]["id"]
     restarted = _fail_result_row_once(monkeypatch, lease_db)
     sleep = outages.time.sleep
@@ -411,7 +442,6 @@ def test_recorded_successor__taken_over_while_the_database_was_away__stale_sends
 def test_failure_settled_again__chain_failed_and_errback_sent_once(
     broker: Broker, lease_db: str, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from celery_fenced import store
     from celery_fenced.backends import FencedDatabaseBackend
     from tests.integration.test_seams import FAILING
 
@@ -431,26 +461,10 @@ def test_failure_settled_again__chain_failed_and_errback_sent_once(
 
         monkeypatch.setattr(FencedDatabaseBackend, "_write_row", write_row)
     else:
-        prove = store.prove_for_result
-        wrapper = type(connections[lease_db])
-        commit = wrapper.commit
-
-        def prove_and_arm(lease: Any, task_id: str, status_: str, **kwargs: Any) -> Any:
-            if status_ == "FAILURE":
-                fired.append("armed")
-            return prove(lease, task_id, status_, **kwargs)
-
-        def lost(self: Any) -> None:
-            if fired == ["armed"]:
-                fired.append("x")
-                raise OperationalError("the database system is shutting down")
-            commit(self)
-
-        monkeypatch.setattr(store, "prove_for_result", prove_and_arm)
-        monkeypatch.setattr(wrapper, "commit", lost)
+        fired = _lose_commit_answer(monkeypatch, lease_db, "FAILURE", committed=False)
     FAILING.add("MainThread")
     deliver(app, message)
-    assert "x" in fired
+    assert fired
     assert status(lease_db, message[0]["id"])[0] == "FAILURE"
     assert status(lease_db, result.id)[0] == "FAILURE"
     assert len(broker.sent("seams.errback")) == 1
