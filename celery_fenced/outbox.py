@@ -180,7 +180,7 @@ def _record_plain(
         # held: its row stays until a worker starts the job (or, not started, the
         # reclaimer sends it again after ``fenced_outbox_resend_after``)
         if _sent_or_marked_unsent(alias, name, task_id, publish) and not held:
-            _sent_ends_row(alias, name, task_id)
+            _end_row(alias, task_id, "sent", f"{name}[{task_id}]")
 
     transaction.on_commit(send, using=alias)
     return _in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
@@ -237,17 +237,19 @@ def _held_until_started(app: Any, name: str) -> bool:
     return not isinstance(app.tasks.get(name), FencedExecution)
 
 
-def _sent_ends_row(alias: str, name: str, task_id: str) -> None:
+def _end_row(alias: str, task_id: str, done: str, job: str = "") -> None:
+    """End ``task_id``'s outbox row once the job (named ``job`` in the log) is ``done``
+    ("sent", "started"); the database away, it stands and the reclaimer may send the job
+    again: at least once."""
     from celery_fenced import store
 
     try:
         store.forget_pending(alias, task_id)
-    except DatabaseError:  # the reclaimer will send it again: at least once
+    except DatabaseError:
         logger.warning(
-            "task %s[%s]: sent, but its outbox row could not be ended; the reclaimer may "
-            "send it again",
-            name,
+            "task %s: %s, but its outbox row could not be ended; the reclaimer may send it again",
             task_id,
+            done,
             exc_info=True,
             extra={"task_id": task_id},
         )
@@ -259,18 +261,8 @@ def plain_job_started(task_id: str, request: Any) -> None:
     away), the reclaimer may send it again: a plain job is at least once."""
     from celery_fenced import store
 
-    if not getattr(request, PLAIN_HEADER, None):
-        return
-    try:
-        store.forget_pending(store.database_alias(), task_id)
-    except DatabaseError:
-        logger.warning(
-            "task %s: started, but its outbox row could not be ended; the reclaimer may send "
-            "it again",
-            task_id,
-            exc_info=True,
-            extra={"task_id": task_id},
-        )
+    if getattr(request, PLAIN_HEADER, None):
+        _end_row(store.database_alias(), task_id, "started")
 
 
 def _sent_or_marked_unsent(
