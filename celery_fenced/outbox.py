@@ -248,7 +248,7 @@ def _end_row(alias: str, task_id: str, done: str, job: str = "") -> None:
     except DatabaseError:
         logger.warning(
             "task %s: %s, but its outbox row could not be ended; the reclaimer may send it again",
-            task_id,
+            job or task_id,
             done,
             exc_info=True,
             extra={"task_id": task_id},
