@@ -1,11 +1,13 @@
-"""Throwaway PostgreSQL and Redis servers for the test suite and the benchmarks.
+"""Throwaway PostgreSQL, Redis and MariaDB servers for the test suite and the benchmarks.
 
 ``python -m devtools.services chromium`` installs Debian's chromium for the browser tests
 (when missing and root) and prints its path.
 
-``python -m devtools.services start DIR`` starts PostgreSQL and Redis on free loopback ports
-with their data in ``DIR`` and prints ``export`` lines for the shell; ``stop DIR`` stops
-them. PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user: its
+``python -m devtools.services start DIR`` starts PostgreSQL, Redis and MariaDB on free
+loopback ports with their data in ``DIR`` and prints ``export`` lines for the shell;
+``stop DIR`` stops them. ``python -m devtools.services headers`` installs the MariaDB
+client headers that ``pip install mysqlclient`` compiles against (when missing and root).
+PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user: its
 commands run from ``/`` (that user may not enter the caller's working directory), and the
 data folder's parents are made traversable for it (search only, ``o+x``: a ``mkdtemp``
 folder is ``0700``). Missing binaries are installed with apt when running as root.
@@ -178,6 +180,96 @@ def start_postgres(base: Path, extra_options: str = "") -> dict[str, str]:
     }
 
 
+MARIADB_USER = "fenced"
+MARIADB_PASSWORD = "fenced"
+
+
+def mariadb_binaries() -> tuple[str, str, str]:
+    """Debian's MariaDB server: ``mariadbd``, ``mariadb-install-db`` and the client
+    (installed with apt when missing and root), and the headers ``mysqlclient`` builds
+    against (``libmariadb-dev``)."""
+    found = [shutil.which(n, path="/usr/sbin:/usr/bin") for n in MARIADB_PROGRAMS]
+    if None in found:
+        _apt_install("mariadb-server")
+        found = [shutil.which(n, path="/usr/sbin:/usr/bin") for n in MARIADB_PROGRAMS]
+    if None in found:
+        sys.exit("mariadbd not found after installing mariadb-server")
+    mariadb_client_headers()
+    server, install_db, client = (str(path) for path in found)
+    return server, install_db, client
+
+
+MARIADB_PROGRAMS = ("mariadbd", "mariadb-install-db", "mariadb")
+
+
+def mariadb_client_headers() -> None:
+    """The MariaDB client library's headers, which ``pip install mysqlclient`` compiles
+    against (``mariadb_config``, from Debian's ``libmariadb-dev``)."""
+    if shutil.which("mariadb_config") is None:
+        _apt_install("libmariadb-dev")
+
+
+def start_mariadb(base: Path) -> dict[str, str]:
+    """MariaDB on a free loopback port with its data in ``base/mariadb``, the server's
+    default collation (``utf8mb4_general_ci``: the package must compare keys byte for
+    byte itself), a user with every privilege (the tests create their database)."""
+    server, install_db, client = mariadb_binaries()
+    home = base / "mariadb"  # the server's files: its data, socket, pid file and log
+    data = home / "data"
+    data.mkdir(parents=True)
+    socket_path = home / "mariadb.sock"
+    user = "mysql" if os.geteuid() == 0 else os.environ.get("USER", "")
+    if os.geteuid() == 0:
+        for folder in (home, data):
+            shutil.chown(folder, "mysql")
+        reachable_by_postgres(base)  # the search permission (for the mysql user too)
+    subprocess.run(
+        [
+            install_db,
+            f"--datadir={data}",
+            f"--user={user}",
+            "--auth-root-authentication-method=socket",
+            "--skip-test-db",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    port = free_port()
+    subprocess.Popen(
+        [
+            server,
+            "--no-defaults",
+            f"--datadir={data}",
+            f"--user={user}",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            f"--socket={socket_path}",
+            f"--pid-file={home / 'mariadb.pid'}",
+            f"--log-error={home / 'mariadb.log'}",
+            "--max-connections=300",
+            "--innodb-flush-log-at-trx-commit=0",
+            "--innodb-doublewrite=0",
+            "--skip-log-bin",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    _wait_port(port, "MariaDB", timeout=60)
+    grant = (
+        f"CREATE USER '{MARIADB_USER}'@'127.0.0.1' IDENTIFIED BY '{MARIADB_PASSWORD}'; "
+        f"GRANT ALL PRIVILEGES ON *.* TO '{MARIADB_USER}'@'127.0.0.1' WITH GRANT OPTION;"
+    )
+    subprocess.run([client, f"--socket={socket_path}", "-uroot", "-e", grant], check=True, cwd="/")
+    return {
+        "FENCED_MARIADB_HOST": "127.0.0.1",
+        "FENCED_MARIADB_PORT": str(port),
+        "FENCED_MARIADB_USER": MARIADB_USER,
+        "FENCED_MARIADB_PASSWORD": MARIADB_PASSWORD,
+    }
+
+
 def start_redis(base: Path, port: int | None = None) -> dict[str, str]:
     """Redis on ``port`` (default: a free one), no persistence: a restart starts empty."""
     port = free_port() if port is None else port
@@ -240,10 +332,14 @@ def stop(base: Path) -> None:
             stderr=subprocess.DEVNULL,
             check=False,
         )
-    pidfile = base / "redis.pid"
-    if pidfile.exists():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pidfile.read_text().strip()), 15)
+    for pidfile in (base / "redis.pid", base / "mariadb" / "mariadb.pid"):
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), 15)
+    mariadb_pid = base / "mariadb" / "mariadb.pid"
+    deadline = time.monotonic() + 30
+    while mariadb_pid.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # it removes its pid file once stopped
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -251,15 +347,18 @@ def main(argv: list[str]) -> None:
     if argv == ["chromium"]:
         print(chromium_binary())
         return
+    if argv == ["headers"]:
+        mariadb_client_headers()
+        return
     if len(argv) != 2 or argv[0] not in ("start", "stop"):
-        sys.exit("usage: python -m devtools.services start|stop DIR, or chromium")
+        sys.exit("usage: python -m devtools.services start|stop DIR, chromium or headers")
     base = Path(argv[1]).resolve()
     if argv[0] == "stop":
         stop(base)
         return
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)
-    env = {**start_postgres(base), **start_redis(base)}
+    env = {**start_postgres(base), **start_redis(base), **start_mariadb(base)}
     for name, value in env.items():
         print(f"export {name}='{value}'")
 

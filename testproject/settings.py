@@ -6,8 +6,9 @@ Databases come from the environment:
   beside this file).
 - ``FENCED_DB=postgres``: PostgreSQL from ``FENCED_PG_*`` (host, port, user, name).
 
-The tests use both at once: alias ``default`` is SQLite and alias ``postgres`` is
-PostgreSQL when ``FENCED_PG_PORT`` is set.
+The tests use them at once: alias ``default`` is SQLite, alias ``postgres`` is
+PostgreSQL when ``FENCED_PG_PORT`` is set, and alias ``mariadb`` is MariaDB (the MySQL
+family) from ``FENCED_MARIADB_*`` when ``FENCED_MARIADB_PORT`` is set.
 """
 
 from __future__ import annotations
@@ -81,6 +82,24 @@ def _postgres(name: str) -> dict[str, object]:
     }
 
 
+def _mariadb(name: str) -> dict[str, object]:
+    """MariaDB (or MySQL) with the server's own default collation: the package compares
+    lease keys byte for byte whatever it is."""
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": name,
+        "USER": os.environ.get("FENCED_MARIADB_USER", "root"),
+        "PASSWORD": os.environ.get("FENCED_MARIADB_PASSWORD", ""),
+        "HOST": os.environ.get("FENCED_MARIADB_HOST", "127.0.0.1"),
+        "PORT": os.environ.get("FENCED_MARIADB_PORT", "3306"),
+        "OPTIONS": {"charset": "utf8mb4"},
+        "TEST": {
+            "NAME": os.environ.get("FENCED_MARIADB_TEST_NAME", "test_celery_fenced"),
+            "CHARSET": "utf8mb4",
+        },
+    }
+
+
 SQLITE_PATH = os.environ.get("FENCED_SQLITE_PATH", str(BASE_DIR / "db.sqlite3"))
 if os.environ.get("FENCED_DB", "sqlite") == "postgres":
     DATABASES = {"default": _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))}
@@ -88,6 +107,8 @@ else:
     DATABASES = {"default": _sqlite(SQLITE_PATH)}
     if os.environ.get("FENCED_PG_PORT"):
         DATABASES["postgres"] = _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))
+    if os.environ.get("FENCED_MARIADB_PORT"):
+        DATABASES["mariadb"] = _mariadb(os.environ.get("FENCED_MARIADB_NAME", "celery_fenced"))
 
 # A read replica of each database, for the tests of primary/replica routing: the same
 # database through a connection of its own (a test mirror).

@@ -18,6 +18,10 @@ from django.conf import settings
 from django.db import connections
 
 DATABASE_ALIASES = ["default", "postgres"]
+#: MariaDB (the MySQL family): a module opts in with ``databases=WITH_MARIADB`` and an
+#: ``alias`` fixture returning ``alias_with_mariadb`` (its tests then run on all three)
+MARIADB = "mariadb"
+WITH_MARIADB = [*DATABASE_ALIASES, MARIADB]
 #: what a worker's tracer sets on the request of a delivered message (not called
 #: directly, not eager): where ``store.kept_connection`` keeps a connection
 DELIVERED = SimpleNamespace(called_directly=False, is_eager=False)
@@ -90,6 +94,17 @@ def _kept_connections_closed() -> Iterator[None]:
 @pytest.fixture(params=DATABASE_ALIASES, ids=["sqlite", "postgres"])
 def alias(request: pytest.FixtureRequest) -> str:
     """A database alias; the test runs once per database."""
+    return str(request.param)
+
+
+@pytest.fixture(params=WITH_MARIADB, ids=["sqlite", "postgres", "mariadb"])
+def alias_with_mariadb(request: pytest.FixtureRequest) -> str:
+    """A database alias, MariaDB included; the test runs once per database."""
+    if request.param == MARIADB and MARIADB not in settings.DATABASES:
+        raise pytest.UsageError(
+            "MariaDB is not configured (FENCED_MARIADB_PORT is unset): run the suite with "
+            "`bash tests/run.sh`, which starts a throwaway server."
+        )
     return str(request.param)
 
 

@@ -1,4 +1,5 @@
-"""Real OS processes racing the store on SQLite (WAL, busy timeout) and PostgreSQL."""
+"""Real OS processes racing the store on SQLite (WAL, busy timeout), PostgreSQL and
+MariaDB."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ from django.db.models import F
 from celery_fenced import acquire
 from celery_fenced.models import Lease
 from tests import racer
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(240),
 ]
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    return alias_with_mariadb
 
 PROCESSES = 8
 

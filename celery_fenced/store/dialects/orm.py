@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django_celery_results.models import TaskResult
 
@@ -34,6 +34,26 @@ Kind = LeaseEvent.Kind
 class ORMDialect(PortableOperations):
     """The portable dialect: transactions with row locks through the ORM, any database."""
 
+    def _created(self, request: GrantRequest, now: dt.datetime, expires: dt.datetime) -> Any:
+        """The key's first row, granted to ``request``; None when another acquirer's insert
+        came first (in a savepoint: the unique key's error leaves the transaction usable,
+        and the caller locks the row that now exists)."""
+        try:
+            with transaction.atomic(using=self.alias):
+                return Lease._default_manager.using(self.alias).create(
+                    key=request.key,
+                    token=1,
+                    owner=request.owner,
+                    task_id=request.task_id,
+                    task_name=request.task_name,
+                    acquired_at=now,
+                    renewed_at=now,
+                    expires_at=expires,
+                    job=request.job,
+                )
+        except IntegrityError:
+            return None
+
     def now(self) -> dt.datetime:
         with self.connection.cursor() as cursor:
             cursor.execute("SELECT CURRENT_TIMESTAMP")
@@ -52,18 +72,14 @@ class ORMDialect(PortableOperations):
                 return Completed(request.task_id, request.delivery.retries)
             now = self.now()
             expires = now + dt.timedelta(seconds=request.ttl)
+            created = None
             if row is None:
-                row = manager.create(
-                    key=request.key,
-                    token=1,
-                    owner=request.owner,
-                    task_id=request.task_id,
-                    task_name=request.task_name,
-                    acquired_at=now,
-                    renewed_at=now,
-                    expires_at=expires,
-                    job=request.job,
-                )
+                created = self._created(request, now, expires)
+                # None: another acquirer created the key's row first; it is locked now
+                row = created or manager.select_for_update().filter(key=request.key).first()
+                if row is None:  # pragma: no cover - created, then deleted meanwhile
+                    raise IntegrityError(f"the lease row of {request.key!r} vanished")
+            if created is not None:
                 reclaimed_from, previous_start = "", None
             elif row.permits:  # the head of the key's permits: never granted itself
                 return Holder(row.token, "", row.expires_at, 0.0)
