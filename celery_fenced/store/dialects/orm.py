@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,28 @@ Kind = LeaseEvent.Kind
 
 class ORMDialect(PortableOperations):
     """The portable dialect: transactions with row locks through the ORM, any database."""
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """A key's first grant finds its row there: made beforehand, in a statement of
+        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open."""
+        if request.limit is None and not self.connection.in_atomic_block:
+            self._placeholder(request.key)
+        return super().acquire(request)
+
+    def _placeholder(self, key: str) -> None:
+        """The key's row, if missing: released, never granted (token 0), so the grant's
+        transaction always locks an existing row. Two first grants of a key would
+        otherwise both insert it: on InnoDB the loser's duplicate-key error leaves it a
+        shared lock on the row, and two such losers deadlock upgrading it (MariaDB and
+        MySQL's 1213). In autocommit, a duplicate's lock ends with its statement."""
+        rows = Lease._default_manager.using(self.alias)
+        if rows.filter(key=key).exists():
+            return
+        now = self.now()
+        with contextlib.suppress(IntegrityError):  # made meanwhile by another first grant
+            rows.create(
+                key=key, token=0, acquired_at=now, renewed_at=now, expires_at=now, released_at=now
+            )
 
     def _created(self, request: GrantRequest, now: dt.datetime, expires: dt.datetime) -> Any:
         """The key's first row, granted to ``request``; None when another acquirer's insert
