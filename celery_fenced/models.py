@@ -105,11 +105,6 @@ class Lease(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["key"], name="celery_fenced_lease_key_uniq"),
             _check(Q(token__gte=0), "celery_fenced_lease_token_not_negative"),
-            models.UniqueConstraint(
-                fields=["permit_job"],
-                condition=Q(released_at__isnull=True, permit_job__isnull=False),
-                name="celery_fenced_lease_one_permit_per_job",
-            ),
             _check(Q(expires_at__gte=models.F("acquired_at")), "celery_fenced_lease_expiry_order"),
         ]
         indexes = [
@@ -117,19 +112,13 @@ class Lease(models.Model):
             models.Index(fields=["task_name"], name="celery_fenced_lease_task"),
             models.Index(fields=["task_id"], name="celery_fenced_lease_task_id"),
             models.Index(fields=["-acquired_at"], name="celery_fenced_lease_acquired"),
-            models.Index(
-                fields=["expires_at"],
-                name="celery_fenced_lease_reclaim",
-                condition=Q(released_at__isnull=True, job__isnull=False),
-            ),
-            # the unreleased grants: held, or expired and never released (the metrics'
-            # gauges count them without reading the released rest)
-            models.Index(
-                fields=["expires_at"],
-                name="celery_fenced_lease_unreleased",
-                condition=Q(released_at__isnull=True),
-            ),
         ]
+        # Not declared here, made by the migrations for each database family (see
+        # 0008_mysql_family): on PostgreSQL and SQLite the partial unique index
+        # ``celery_fenced_lease_one_permit_per_job`` (permit_job among unreleased permits)
+        # and the partial indexes ``celery_fenced_lease_reclaim`` (expires_at of
+        # unreleased grants with a job) and ``celery_fenced_lease_unreleased``; on the MySQL
+        # family a unique index on a generated column, and the keys' binary collation.
         permissions = [("force_release_lease", "Can force-release a lease")]
 
     def __str__(self) -> str:
