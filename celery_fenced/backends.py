@@ -406,7 +406,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         """The fenced execution's result row: what ``DatabaseBackend`` writes, in one upsert.
 
         The fields come from ``DatabaseBackend``'s own helpers, as in its ``_store_result``;
-        the row is written with one ``INSERT … ON CONFLICT (task_id) DO UPDATE`` instead of
+        the row is written with one ``INSERT … ON CONFLICT (task_id) DO UPDATE`` (MySQL's
+        ``ON DUPLICATE KEY UPDATE``) instead of
         the manager's ``get_or_create`` (a ``SELECT``, then an ``INSERT`` in a savepoint):
         inside the fenced transaction that is two round trips fewer, and a concurrent
         untokened write of the same task id is settled by the conflict clause. A database
@@ -416,17 +417,19 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         fields = self._row_fields(task_id, result, status, traceback, request)
         model = self.TaskModel
         alias = using or router.db_for_write(model)
-        if status == states.STARTED or not (
-            connections[alias].features.supports_update_conflicts_with_target
-        ):
+        features = connections[alias].features
+        if status == states.STARTED or not features.supports_update_conflicts:
             if status == states.STARTED:
                 fields["date_started"] = Now()
             model._default_manager.store_result(task_id=task_id, using=using, **fields)
             return
+        # MariaDB and MySQL: ON DUPLICATE KEY UPDATE (task_id is the row's one unique key
+        # besides its id)
+        target = features.supports_update_conflicts_with_target
         model._default_manager.using(alias).bulk_create(
             [model(task_id=task_id, **fields)],
             update_conflicts=True,
-            unique_fields=["task_id"],
+            unique_fields=["task_id"] if target else None,
             update_fields=[*fields, "date_done"],
         )
 

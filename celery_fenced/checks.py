@@ -11,6 +11,7 @@ and what would be valid.
 | E003 | an unknown ``fenced_*`` / ``CELERY_FENCED_*`` setting (a typo is otherwise ignored) |
 | E004 | ``django_celery_results`` missing from ``INSTALLED_APPS`` |
 | E005 | a task module fails to load with a celery-fenced error (a lease-key template) |
+| E006 | the lease database is MariaDB or MySQL and its session time zone is not UTC |
 | W001 | results and leases in different databases |
 | W002 | fenced tasks, but the result backend does not fence results |
 | W003 | a fenced task with ``acks_late=False`` |
@@ -172,6 +173,47 @@ def check_result_database(**kwargs: Any) -> list[checks.CheckMessage]:
     ]
 
 
+def check_database_clock(databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The lease database's clock is UTC, as Django's datetimes are (the MySQL family).
+
+    Its SQL reads ``CURRENT_TIMESTAMP``, which MariaDB and MySQL give in the session's
+    time zone, while Django writes and reads naive UTC. A database check: it runs when
+    the lease database is among ``databases`` (a worker's start, ``migrate``, ``check
+    --database``).
+    """
+    from django.db import DatabaseError, connections
+
+    from celery_fenced import store
+
+    try:
+        alias = store.database_alias()
+    except FencedConfigurationError:
+        return []  # reported by check_settings
+    if not databases or alias not in databases or connections[alias].vendor != "mysql":
+        return []
+    try:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "SELECT TIMESTAMPDIFF(MINUTE, UTC_TIMESTAMP(6), CURRENT_TIMESTAMP(6)), "
+                "@@session.time_zone"
+            )
+            offset, zone = cursor.fetchone()
+    except DatabaseError:
+        return []  # not reachable now: the first lease operation says so
+    if not offset:
+        return []
+    return [
+        checks.Error(
+            f"The lease database {alias!r} gives its clock in time zone {zone!r}, "
+            f"{offset:+d} minutes from UTC; Django stores datetimes in UTC there, so "
+            "leases would expire that much early or late.",
+            hint=f"Set DATABASES[{alias!r}]['OPTIONS']['init_command'] = "
+            "\"SET time_zone = '+00:00'\" (or the server's default_time_zone to UTC).",
+            id="celery_fenced.E006",
+        )
+    ]
+
+
 def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
     """The project's fenced tasks against the result backend, the broker and each other."""
     from django.apps import apps
@@ -310,9 +352,20 @@ def register() -> None:
         check_settings,
         check_unknown_settings,
         check_result_database,
+        check_database_clock,
         check_tasks,
     ):
         checks.register(check, "celery_fenced")
+
+
+def _lease_database() -> list[str]:
+    """The lease database, for the checks that read it (none if it is misconfigured)."""
+    from celery_fenced import store
+
+    try:
+        return [store.database_alias()]
+    except FencedConfigurationError:
+        return []
 
 
 def run(app: Any = None) -> tuple[list[checks.CheckMessage], list[checks.CheckMessage]]:
@@ -324,7 +377,7 @@ def run(app: Any = None) -> tuple[list[checks.CheckMessage], list[checks.CheckMe
     if app is not None:
         _checking.append(app)
     try:
-        found = checks.run_checks(tags=["celery_fenced"])
+        found = checks.run_checks(tags=["celery_fenced"], databases=_lease_database())
     finally:
         if app is not None:
             _checking.pop()

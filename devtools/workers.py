@@ -215,9 +215,9 @@ def reclaim_race(
                     job=row.job,
                     using=alias,
                 )
-            leases.update(
-                acquired_at=F("acquired_at") - dt.timedelta(seconds=2),
+            leases.update(  # expires_at first: MySQL's UPDATE reads what it already set
                 expires_at=F("acquired_at") - dt.timedelta(seconds=1),
+                acquired_at=F("acquired_at") - dt.timedelta(seconds=2),
             )
     app.close()
     connections.close_all()

@@ -17,10 +17,16 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.renewal import renewer
 from celery_fenced.store import HeldLease
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.tracing import fenced_app, trace
 
-db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+db = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
 
 
 def reports(alias: str, *tokens: int) -> Any:
@@ -186,7 +192,7 @@ def primary_replica(alias: str, settings: Any) -> Iterator[str]:
 
 
 replicated = pytest.mark.django_db(
-    transaction=True, databases=[*DATABASE_ALIASES, *(f"{a}_replica" for a in DATABASE_ALIASES)]
+    transaction=True, databases=[*WITH_MARIADB, *(f"{a}_replica" for a in WITH_MARIADB)]
 )
 
 

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.core.management import call_command
 from django.db import IntegrityError, transaction
 
 from celery_fenced.models import Lease
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import MARIADB, WITH_MARIADB
 
 
-@pytest.mark.django_db(databases=DATABASE_ALIASES)
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
+
+@pytest.mark.django_db(databases=WITH_MARIADB)
 def test_migrations__match_the_models() -> None:
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
 
 
-@pytest.mark.django_db(databases=DATABASE_ALIASES)
+@pytest.mark.django_db(databases=WITH_MARIADB)
 @pytest.mark.parametrize("token", [-1, -5])
 def test_lease__database_refuses_a_negative_token(alias: str, token: int) -> None:
     """Token 0 is a key's row before any grant (a ``lease_unique`` copy refused while the
@@ -29,7 +37,7 @@ def test_lease__database_refuses_a_negative_token(alias: str, token: int) -> Non
         )
 
 
-@pytest.mark.django_db(databases=DATABASE_ALIASES)
+@pytest.mark.django_db(databases=WITH_MARIADB)
 def test_lease__database_refuses_a_second_row_for_a_key(alias: str) -> None:
     from django.utils import timezone
 
@@ -38,3 +46,43 @@ def test_lease__database_refuses_a_second_row_for_a_key(alias: str) -> None:
     Lease.objects.using(alias).create(key="k", **fields)
     with pytest.raises(IntegrityError), transaction.atomic(using=alias):
         Lease.objects.using(alias).create(key="k", **fields)
+
+
+@pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+@pytest.mark.parametrize(("one", "other"), [("Case-Key", "case-key"), ("pad", "pad "), ("é", "e")])
+def test_lease__keys_compare_byte_for_byte(alias: str, one: str, other: str) -> None:
+    """Two keys that differ in case, trailing spaces or accents are two leases, whatever
+    the database's default collation (MariaDB's ``utf8mb4_general_ci`` makes them one)."""
+    from celery_fenced import acquire
+
+    first = acquire(one, ttl=30, using=alias)
+    second = acquire(other, ttl=30, using=alias)
+    assert (first.token, second.token) == (1, 1)
+    assert sorted(Lease.objects.using(alias).values_list("key", flat=True)) == sorted(
+        ["Case-Key", "case-key"] if one == "Case-Key" else [one, other]
+    )
+    assert Lease.objects.using(alias).filter(key=one).get().token == 1
+
+
+@pytest.mark.django_db(databases=WITH_MARIADB)
+def test_check_database_clock__names_a_mysql_session_not_in_utc(settings: Any) -> None:
+    """E006: MariaDB's ``CURRENT_TIMESTAMP`` is in the session's time zone, Django's
+    datetimes are UTC: the check names the setting that makes them agree."""
+    from django.db import connections
+
+    from celery_fenced.checks import check_database_clock
+
+    settings.CELERY_FENCED_DATABASE = MARIADB
+    connection = connections[MARIADB]
+    with connection.cursor() as cursor:
+        cursor.execute("SET time_zone = '+05:30'")
+    try:
+        errors = check_database_clock(databases=[MARIADB])
+        assert [e.id for e in errors] == ["celery_fenced.E006"]
+        assert "+330 minutes from UTC" in errors[0].msg
+        assert "init_command" in (errors[0].hint or "")
+        assert check_database_clock(databases=["default"]) == []  # not asked: no query
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET time_zone = '+00:00'")
+    assert check_database_clock(databases=[MARIADB]) == []

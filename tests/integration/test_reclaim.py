@@ -26,13 +26,20 @@ from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from celery_fenced.reclaim import Job, decode_job, encode_job, job_for, reclaim_expired
 from celery_fenced.store import dialects
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_store import data_statements
 
 # the claims run in the test's own connection: a rolled-back test transaction will do
-db = pytest.mark.django_db(databases=DATABASE_ALIASES)
+db = pytest.mark.django_db(databases=WITH_MARIADB)
 # a fenced task renews from its own thread, which must see the committed grant
-committed = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+committed = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
 
 TASK = "app.tasks.rebuild"
 
@@ -74,10 +81,11 @@ def grant(
 
 
 def expire(alias: str, key: str) -> None:
-    # seconds in the past: the fallback's clock on SQLite (CURRENT_TIMESTAMP) has 1s steps
+    # seconds in the past: the fallback's clock on SQLite (CURRENT_TIMESTAMP) has 1s steps;
+    # expires_at first: MySQL's UPDATE reads the columns it already set
     Lease.objects.using(alias).filter(key=key).update(
-        acquired_at=F("acquired_at") - dt.timedelta(seconds=10),
         expires_at=F("acquired_at") - dt.timedelta(seconds=5),
+        acquired_at=F("acquired_at") - dt.timedelta(seconds=10),
     )
 
 

@@ -16,13 +16,20 @@ from celery_fenced import acquire
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import Job, encode_job
 from devtools.workers import reclaim_race
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_store_concurrency import PROCESSES, run_processes
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
 
 TASK = "app.tasks.job"
 JOBS = 20
@@ -39,8 +46,8 @@ def test_race__one_message_per_expiry_then_one_abandonment(alias: str) -> None:
         job = encode_job(Job(TASK, [n], {}, {"queue": queue}))
         acquire(key, ttl=60, task_id=f"task-{n}", task_name=TASK, job=job, using=alias)
     Lease.objects.using(alias).filter(key__in=keys).update(
-        acquired_at=F("acquired_at") - dt.timedelta(seconds=2),
-        expires_at=F("acquired_at") - dt.timedelta(seconds=1),
+        expires_at=F("acquired_at") - dt.timedelta(seconds=1),  # first: MySQL's UPDATE
+        acquired_at=F("acquired_at") - dt.timedelta(seconds=2),  # reads what it set
     )
 
     collected = run_processes(reclaim_race, lambda i: (alias, url, keys, ROUNDS, i), PROCESSES)

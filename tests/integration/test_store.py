@@ -30,9 +30,15 @@ from celery_fenced.store.dialects import (
     for_alias,
 )
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES, wait_until_blocked
+from tests.conftest import WITH_MARIADB, wait_until_blocked
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
 
 
 def expire(alias: str, key: str) -> None:

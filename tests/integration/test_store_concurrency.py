@@ -4,6 +4,8 @@ MariaDB."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -26,6 +28,7 @@ pytestmark = [
 def alias(alias_with_mariadb: str) -> str:
     return alias_with_mariadb
 
+
 PROCESSES = 8
 
 
@@ -40,7 +43,22 @@ def run_processes(target: Any, args_for: Any, count: int) -> list[Any]:
     ]
     for proc in procs:
         proc.start()
-    collected = [results.get(timeout=200) for _ in procs]
+    collected: list[Any] = []
+    deadline = time.monotonic() + 200
+    while len(collected) < count:
+        try:
+            collected.append(results.get(timeout=0.5))
+        except queue.Empty:
+            failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                barrier.abort()  # the others stop waiting for the failed one
+                for proc in procs:
+                    proc.terminate()
+                raise AssertionError(
+                    f"a racing process failed (exit codes {failed}): see its traceback above"
+                    if failed
+                    else "the racing processes did not finish in 200 s"
+                ) from None
     for proc in procs:
         proc.join(timeout=30)
         assert proc.exitcode == 0

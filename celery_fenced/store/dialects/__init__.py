@@ -2,9 +2,10 @@
 
 PostgreSQL does each operation, event included, in one statement (a data-modifying CTE);
 SQLite does the state change in one ``INSERT … ON CONFLICT … DO UPDATE … WHERE …
-RETURNING`` and writes the event in the same transaction; any other database gets the
-portable dialect: transactions with row locks through the ORM. :data:`VENDORS` maps a
-Django database vendor to its dialect.
+RETURNING`` and writes the event in the same transaction; MariaDB and MySQL take the
+portable dialect with their own SQL where one statement does the work of several; any
+other database gets the portable dialect: transactions with row locks through the ORM.
+:data:`VENDORS` maps a Django database vendor to its dialect.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced.store.dialects.base import Dialect
+from celery_fenced.store.dialects.mysql import MySQL
 from celery_fenced.store.dialects.orm import ORMDialect
 from celery_fenced.store.dialects.postgresql import PostgreSQL
 from celery_fenced.store.dialects.records import (
@@ -33,7 +35,7 @@ from celery_fenced.store.dialects.sqlite import SQLite
 
 #: Django's ``connection.vendor`` → the dialect of that database family; any other
 #: vendor gets :class:`ORMDialect`
-VENDORS: dict[str, type[Dialect]] = {"postgresql": PostgreSQL, "sqlite": SQLite}
+VENDORS: dict[str, type[Dialect]] = {"mysql": MySQL, "postgresql": PostgreSQL, "sqlite": SQLite}
 
 
 def for_alias(
@@ -60,6 +62,7 @@ __all__ = [
     "Grant",
     "GrantRequest",
     "Holder",
+    "MySQL",
     "ORMDialect",
     "PortableOperations",
     "PostgreSQL",

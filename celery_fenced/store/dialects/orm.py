@@ -52,10 +52,15 @@ class ORMDialect(PortableOperations):
         if rows.filter(key=key).exists():
             return
         now = self.now()
+        row = Lease(
+            key=key, token=0, acquired_at=now, renewed_at=now, expires_at=now, released_at=now
+        )
+        if self.connection.features.supports_ignore_conflicts:
+            # one statement whichever first grant comes first (MySQL's INSERT IGNORE)
+            rows.bulk_create([row], ignore_conflicts=True)
+            return
         with contextlib.suppress(IntegrityError):  # made meanwhile by another first grant
-            rows.create(
-                key=key, token=0, acquired_at=now, renewed_at=now, expires_at=now, released_at=now
-            )
+            row.save(using=self.alias, force_insert=True)
 
     def _created(self, request: GrantRequest, now: dt.datetime, expires: dt.datetime) -> Any:
         """The key's first row, granted to ``request``; None when another acquirer's insert
@@ -265,17 +270,12 @@ class ORMDialect(PortableOperations):
             return row.token, row.owner
 
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
-        lease_id, current = self._lock_if_current(key, token, self.now())
+        lease_id, current, _ = self._lock_if_current(key, token)
         return lease_id is not None, current
 
-    def _lock_if_current(
-        self, key: str, token: int, now: dt.datetime, *, expired_ok: bool = False
-    ) -> tuple[int | None, int | None]:
-        """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
-
-        With ``expired_ok`` an expired grant with no successor counts too. Returns
-        ``(lease id or None, the key's current token or None)``.
-        """
+    def _locked_row(self, key: str) -> tuple[Any, ...] | None:
+        """Lock ``key``'s row: its id, token, release and expiry times, and the database's
+        time (read after the lock); None when the key has no row."""
         row = (
             Lease._default_manager.using(self.alias)
             .select_for_update()
@@ -283,16 +283,26 @@ class ORMDialect(PortableOperations):
             .values_list("pk", "token", "released_at", "expires_at")
             .first()
         )
+        return None if row is None else (*row, self.now())
+
+    def _lock_if_current(
+        self, key: str, token: int, *, expired_ok: bool = False
+    ) -> tuple[int | None, int | None, dt.datetime | None]:
+        """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
+
+        With ``expired_ok`` an expired grant with no successor counts too. Returns
+        ``(lease id or None, the key's current token or None, the database's time)``.
+        """
+        row = self._locked_row(key)
         if row is None:
-            return None, None
-        lease_id, current, released_at, expires_at = row
+            return None, None, None
+        lease_id, current, released_at, expires_at, now = row
         is_current = current == token and released_at is None and (expired_ok or expires_at > now)
-        return (lease_id if is_current else None), current
+        return (lease_id if is_current else None), current, now
 
     def release_current(self, ending: Ending) -> tuple[bool, int | None]:
-        now = self.now()
-        lease_id, current = self._lock_if_current(ending.key, ending.token, now, expired_ok=True)
-        if lease_id is None:
+        lease_id, current, now = self._lock_if_current(ending.key, ending.token, expired_ok=True)
+        if lease_id is None or now is None:
             return False, current
         self._end(lease_id, ending, now)
         self.lock_for_result(ending.task_id)

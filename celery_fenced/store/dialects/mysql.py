@@ -1,0 +1,95 @@
+"""MariaDB and MySQL 8: the portable dialect, with the family's own SQL where one
+statement does the work of several."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from django.db import transaction
+
+from celery_fenced.store.dialects.orm import ORMDialect
+from celery_fenced.store.dialects.records import EVENT, LEASE, Renewal, aware
+
+
+class MySQL(ORMDialect):
+    """MariaDB (10.6 or newer) and MySQL 8, Django's ``mysql`` backend.
+
+    A grant reads the key's row under its lock, then updates it, in one transaction: the
+    family has no ``UPDATE … RETURNING`` to hand back the token it wrote. The clock is the
+    database's, to the microsecond (``CURRENT_TIMESTAMP`` alone is to the second); system
+    check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes.
+    """
+
+    def now(self) -> dt.datetime:
+        with self.connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP(6)")
+            row = cursor.fetchone()
+        return aware(row[0])
+
+    def _locked_row(self, key: str) -> tuple[Any, ...] | None:
+        """The row's lock and the database's time in one ``SELECT … FOR UPDATE``."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                f"""SELECT id, token, released_at, expires_at, CURRENT_TIMESTAMP(6)
+                    FROM {LEASE} WHERE `key` = %s FOR UPDATE""",
+                [key],
+            )
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        lease_id, token, released_at, expires_at, now = row
+        return lease_id, token, _aware_or_none(released_at), aware(expires_at), aware(now)
+
+    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
+        """Every lease in one ``UPDATE … JOIN``; the renewed ones read back by their new
+        ``renewed_at`` (the family's ``UPDATE`` returns no rows)."""
+        if not leases:
+            return {}
+        wanted = " UNION ALL ".join(["SELECT %s AS k, %s AS t, %s AS o, %s AS us"] * len(leases))
+        params: list[Any] = []
+        for lease in leases:
+            params += [lease.key, lease.token, lease.owner, round(lease.ttl * 1_000_000)]
+        with transaction.atomic(using=self.alias), self.connection.cursor() as cursor:
+            cursor.execute("SELECT CURRENT_TIMESTAMP(6)")
+            now = cursor.fetchone()[0]
+            cursor.execute(
+                f"""UPDATE {LEASE} l JOIN ({wanted}) v
+                      ON l.`key` = v.k AND l.token = v.t AND l.owner = v.o
+                    SET l.renewed_at = %s, l.expires_at = %s + INTERVAL v.us MICROSECOND
+                    WHERE l.released_at IS NULL AND l.expires_at > %s""",
+                [*params, now, now, now],
+            )
+            if not cursor.rowcount:
+                return {}
+            cursor.execute(
+                f"""SELECT l.`key`, l.token, l.expires_at FROM {LEASE} l JOIN ({wanted}) v
+                      ON l.`key` = v.k AND l.token = v.t AND l.owner = v.o
+                    WHERE l.renewed_at = %s AND l.released_at IS NULL""",
+                [*params, now],
+            )
+            return {(key, token): aware(expires) for key, token, expires in cursor.fetchall()}
+
+    def record_event(
+        self,
+        key: str,
+        kind: str,
+        token: int | None,
+        task_id: str,
+        owner: str,
+        detail: dict[str, Any],
+    ) -> None:
+        """One ``INSERT … SELECT``: the event of ``key``'s row, if the key has one."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
+                    SELECT id, %s, %s, %s, %s, CURRENT_TIMESTAMP(6), %s
+                    FROM {LEASE} WHERE `key` = %s""",
+                [kind, token, task_id, owner, json.dumps(detail), key],
+            )
+
+
+def _aware_or_none(value: dt.datetime | None) -> dt.datetime | None:
+    return None if value is None else aware(value)
