@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from typing import Any
 
 from django.db import connections
 
@@ -27,6 +28,8 @@ STATEMENT_SHARE = 0.25
 RENEWED, ROW_LOCKED, FAILED = "renewed", "row locked", "failed"
 #: PostgreSQL's SQLSTATE of a statement cancelled by statement_timeout / lock_timeout
 QUERY_CANCELED, LOCK_NOT_AVAILABLE = "57014", "55P03"
+#: MariaDB and MySQL's error number of a lock wait timeout (innodb_lock_wait_timeout)
+LOCK_WAIT_TIMEOUT = 1205
 
 
 class Renewer:
@@ -157,10 +160,14 @@ class Renewer:
 
 
 def _timed_out(exc: BaseException) -> bool:
-    """Whether a renewal failed on PostgreSQL's statement timeout (a row lock held)."""
+    """Whether a renewal failed on its time limit (a row lock held): PostgreSQL's statement
+    timeout, MariaDB and MySQL's lock wait timeout."""
     cause = exc.__cause__
     code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
-    return code in (QUERY_CANCELED, LOCK_NOT_AVAILABLE)
+    if code in (QUERY_CANCELED, LOCK_NOT_AVAILABLE):
+        return True
+    args: tuple[Any, ...] = getattr(cause, "args", ())
+    return bool(args) and args[0] == LOCK_WAIT_TIMEOUT
 
 
 _renewer = Renewer()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -138,10 +139,18 @@ def time_limited(alias: str, seconds: float | None) -> Iterator[None]:
     inside a transaction already open there is no limit). SQLite: the busy timeout of this
     thread's connection (how long a statement waits for another connection's write lock),
     the longest fixed step within ``seconds``; it stays on that connection, which only
-    the renewer's thread uses. Other databases: no limit.
+    the renewer's thread uses. MariaDB and MySQL: that connection's
+    ``innodb_lock_wait_timeout``, in whole seconds (at least 1). Other databases: no limit.
     """
     connection = connections[alias]
-    if seconds is None or connection.vendor not in ("postgresql", "sqlite"):
+    if seconds is None or connection.vendor not in ("postgresql", "sqlite", "mysql"):
+        yield
+        return
+    if connection.vendor == "mysql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SET SESSION innodb_lock_wait_timeout = %s", [max(1, math.ceil(seconds))]
+            )
         yield
         return
     milliseconds = max(1, int(seconds * 1000))
