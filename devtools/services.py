@@ -207,6 +207,8 @@ def mariadb_client_headers() -> None:
     against (``mariadb_config``, from Debian's ``libmariadb-dev``)."""
     if shutil.which("mariadb_config") is None:
         _apt_install("libmariadb-dev")
+    if shutil.which("pkg-config") is None:  # how mysqlclient's build finds the library
+        _apt_install("pkg-config")
 
 
 def start_mariadb(base: Path) -> dict[str, str]:

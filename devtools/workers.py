@@ -57,7 +57,7 @@ class Worker:
         worker_env = {
             **os.environ,
             "FENCED_USE_TEST_DATABASES": "1",
-            "FENCED_DB": "postgres" if database == "postgres" else "sqlite",
+            "FENCED_DB": database if database in ("postgres", "mariadb") else "sqlite",
             "FENCED_BROKER_URL": os.environ["FENCED_REDIS_URL"],
             "FENCED_WORKER_NAME": name,
             "DJANGO_SETTINGS_MODULE": "testproject.settings",

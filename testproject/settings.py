@@ -5,6 +5,7 @@ Databases come from the environment:
 - ``FENCED_DB=sqlite`` (default): SQLite file ``FENCED_SQLITE_PATH`` (default ``db.sqlite3``
   beside this file).
 - ``FENCED_DB=postgres``: PostgreSQL from ``FENCED_PG_*`` (host, port, user, name).
+- ``FENCED_DB=mariadb``: MariaDB (or MySQL) from ``FENCED_MARIADB_*``.
 
 The tests use them at once: alias ``default`` is SQLite, alias ``postgres`` is
 PostgreSQL when ``FENCED_PG_PORT`` is set, and alias ``mariadb`` is MariaDB (the MySQL
@@ -92,7 +93,8 @@ def _mariadb(name: str) -> dict[str, object]:
         "PASSWORD": os.environ.get("FENCED_MARIADB_PASSWORD", ""),
         "HOST": os.environ.get("FENCED_MARIADB_HOST", "127.0.0.1"),
         "PORT": os.environ.get("FENCED_MARIADB_PORT", "3306"),
-        "OPTIONS": {"charset": "utf8mb4"},
+        # Django stores UTC; the lease SQL's clock is the session's (check E006)
+        "OPTIONS": {"charset": "utf8mb4", "init_command": "SET time_zone = '+00:00'"},
         "TEST": {
             "NAME": os.environ.get("FENCED_MARIADB_TEST_NAME", "test_celery_fenced"),
             "CHARSET": "utf8mb4",
@@ -103,6 +105,8 @@ def _mariadb(name: str) -> dict[str, object]:
 SQLITE_PATH = os.environ.get("FENCED_SQLITE_PATH", str(BASE_DIR / "db.sqlite3"))
 if os.environ.get("FENCED_DB", "sqlite") == "postgres":
     DATABASES = {"default": _postgres(os.environ.get("FENCED_PG_NAME", "celery_fenced"))}
+elif os.environ.get("FENCED_DB") == "mariadb":
+    DATABASES = {"default": _mariadb(os.environ.get("FENCED_MARIADB_NAME", "celery_fenced"))}
 else:
     DATABASES = {"default": _sqlite(SQLITE_PATH)}
     if os.environ.get("FENCED_PG_PORT"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: creates .venv, installs the package with the
 # extras it tests and the test, lint and docs dependency groups, starts throwaway
-# PostgreSQL and Redis servers (installing them with apt when missing and root), runs
+# PostgreSQL, MariaDB and Redis servers (installing them with apt when missing and root), runs
 # ruff, mypy and pytest, and stops the servers.
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`.
 set -euo pipefail
@@ -12,10 +12,12 @@ VENV=${FENCED_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
+# mysqlclient (the mysql extra) compiles against the MariaDB client library's headers
+"$PYTHON" -m devtools.services headers
 # dependency groups (PEP 735) need pip 25.1 or newer
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check 'pip>=25.1'
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -e '.[postgres,redis,metrics]' --group test --group lint --group docs
+    -e '.[postgres,redis,mysql,metrics]' --group test --group lint --group docs
 
 # the admin's browser tests drive Debian's chromium (installed with apt when missing)
 "$VENV/bin/python" -m devtools.services chromium >/dev/null
@@ -32,5 +34,6 @@ echo "== mypy --strict"
 "$VENV/bin/mypy"
 echo "== docs (Sphinx, warnings as errors)"
 "$VENV/bin/python" -m sphinx -W -q -b html docs "$RUN_DIR/docs-html"
-echo "== pytest (SQLite and PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, Redis $FENCED_REDIS_URL)"
+echo "== pytest (SQLite, PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, MariaDB on" \
+    "127.0.0.1:$FENCED_MARIADB_PORT, Redis $FENCED_REDIS_URL)"
 "$VENV/bin/python" -m pytest "$@"

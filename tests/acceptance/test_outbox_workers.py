@@ -23,14 +23,21 @@ from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
 from devtools.workers import broker_app, wait_for
 from tests.acceptance.test_task_workers import result_of
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_outbox import rolled_back
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.workers,
     pytest.mark.timeout(240),
 ]
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
 
 PROBE = "testproject.demo.tasks.probe"
 EFFECT = "testproject.demo.tasks.apply_effect"

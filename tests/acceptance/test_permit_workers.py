@@ -13,13 +13,20 @@ from celery_fenced.models import Lease, LeaseEvent
 from devtools.workers import send, wait_for
 from testproject.demo.models import LedgerEntry
 from tests.acceptance.test_task_workers import result_of
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.workers,
     pytest.mark.timeout(240),
 ]
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
 
 TILE = "testproject.demo.tasks.render_tile"
 EFFECT = "testproject.demo.tasks.apply_effect"

@@ -24,10 +24,10 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import Reclaimed, reclaim_expired
 from devtools.workers import Worker, broker_app, filesystem_env, wait_for
 from testproject.demo.models import LedgerEntry
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.workers,
     pytest.mark.timeout(120),
 ]
@@ -42,8 +42,8 @@ SWEEP = 0.2  # seconds between the test's reclaimer sweeps
 # pair (PostgreSQL, Redis). The claim itself is raced on both databases elsewhere.
 PAIRS = pytest.mark.parametrize(
     ("alias", "broker"),
-    [("default", "filesystem"), ("postgres", "redis")],
-    ids=["sqlite-filesystem", "postgres-redis"],
+    [("default", "filesystem"), ("postgres", "redis"), ("mariadb", "redis")],
+    ids=["sqlite-filesystem", "postgres-redis", "mariadb-redis"],
     indirect=["broker"],
 )
 

@@ -17,13 +17,20 @@ from django_celery_results.models import TaskResult
 from celery_fenced.models import Lease, LeaseEvent
 from devtools.workers import send, wait_for
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.workers,
     pytest.mark.timeout(180),
 ]
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
 
 TASK = "testproject.demo.tasks.rebuild_report_short"  # lease_ttl=2
 
