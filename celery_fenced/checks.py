@@ -181,15 +181,18 @@ def check_database_clock(databases: Any = None, **kwargs: Any) -> list[checks.Ch
     the lease database is among ``databases`` (a worker's start, ``migrate``, ``check
     --database``).
     """
+    from django.apps import apps
     from django.db import DatabaseError, connections
 
+    if not databases or not apps.is_installed("django_celery_results"):
+        return []  # not asked to read a database; or E004
     from celery_fenced import store
 
     try:
         alias = store.database_alias()
     except FencedConfigurationError:
         return []  # reported by check_settings
-    if not databases or alias not in databases or connections[alias].vendor != "mysql":
+    if alias not in databases or connections[alias].vendor != "mysql":
         return []
     try:
         with connections[alias].cursor() as cursor:

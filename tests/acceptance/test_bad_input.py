@@ -93,7 +93,7 @@ SETTINGS = [
     (
         "fenced_database",
         "replica",
-        ["fenced_database", "default, default_replica, postgres", "'replica'"],
+        ["fenced_database", "DATABASES (default, default_replica, ", "'replica'"],
     ),
     # the reclaimer's settings, when the package has them
     ("fenced_reclaim", "yes", ["fenced_reclaim", "True, False or None", "'yes'"]),
