@@ -2,8 +2,9 @@
 # The whole test suite, on a fresh machine: creates .venv, installs the package with the
 # extras it tests and the test, lint and docs dependency groups, starts throwaway
 # PostgreSQL, MariaDB and Redis servers (installing them with apt when missing and root), runs
-# ruff, mypy and pytest, and stops the servers.
-# Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`.
+# ruff, mypy, pytest and the version matrix's core (nox: every Python x Django), and
+# stops the servers. Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`
+# (the matrix then does not run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +18,7 @@ fi
 # dependency groups (PEP 735) need pip 25.1 or newer
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check 'pip>=25.1'
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -e '.[postgres,redis,mysql,metrics]' --group test --group lint --group docs
+    -e '.[postgres,redis,mysql,metrics]' --group test --group lint --group docs --group matrix
 
 # the admin's browser tests drive Debian's chromium (installed with apt when missing)
 "$VENV/bin/python" -m devtools.services chromium >/dev/null
@@ -37,3 +38,7 @@ echo "== docs (Sphinx, warnings as errors)"
 echo "== pytest (SQLite, PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, MariaDB on" \
     "127.0.0.1:$FENCED_MARIADB_PORT, Redis $FENCED_REDIS_URL)"
 "$VENV/bin/python" -m pytest "$@"
+if [ "$#" -eq 0 ]; then
+    echo "== the version matrix's core: every Python x Django (noxfile.py)"
+    "$VENV/bin/nox" --no-color
+fi

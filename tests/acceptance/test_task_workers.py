@@ -43,6 +43,7 @@ def result_of(alias: str, task_id: str, timeout: float = 60) -> Any:
     return row.status, json.loads(row.result)
 
 
+@pytest.mark.core
 def test_fenced_task__runs_with_token_and_key_and_releases(alias: str, start_worker: Any) -> None:
     start_worker("a")
     task_id = send(PROBE, queue=start_worker.queue, kwargs={"marker": "m"})

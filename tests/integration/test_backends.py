@@ -77,6 +77,7 @@ def assert_same_row_but_token(alias: str, lease: Any) -> None:
     assert written == expected
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     ("state", "value"),
     [
@@ -97,6 +98,7 @@ def test_plain_task__stored_exactly_as_database_backend(
     assert row(routed, "fenced") == row(routed, "plain")
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     ("state", "value"),
     [
@@ -213,6 +215,7 @@ def test_stale_result__redelivery_of_same_task_writes_nothing(routed: str) -> No
     assert (rejected.token, rejected.detail["current_token"]) == (stale.token, fresh.token)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("state", [states.SUCCESS, states.STARTED, states.RETRY])
 def test_stale_result__other_task_ends_as_failure_with_stale_token(
     routed: str, state: str
@@ -231,6 +234,7 @@ def test_stale_result__other_task_ends_as_failure_with_stale_token(
         assert stored is None  # a stale STARTED/RETRY is simply not stored
 
 
+@pytest.mark.core
 def test_untokened_write__never_overwrites_a_fenced_final_result(routed: str) -> None:
     lease = acquire("job", ttl=30, task_id="t1", using=routed)
     backend = FencedDatabaseBackend(app=app)

@@ -73,6 +73,7 @@ def events(request: pytest.FixtureRequest, settings: Any) -> str:
     return str(request.param)
 
 
+@pytest.mark.core
 def test_acquire__grants_token_one_then_busy(alias: str) -> None:
     lease = acquire("report:1", ttl=30, owner="worker-a", using=alias)
     assert (lease.key, lease.token, lease.owner, lease.lost) == ("report:1", 1, "worker-a", False)
@@ -88,6 +89,7 @@ def test_acquire__grants_token_one_then_busy(alias: str) -> None:
     assert row.release_state == ""
 
 
+@pytest.mark.core
 def test_release__next_grant_gets_next_token(alias: str, events: str) -> None:
     first = acquire("k", ttl=30, using=alias)
     assert first.release(state="SUCCESS") is True
@@ -101,6 +103,7 @@ def test_release__next_grant_gets_next_token(alias: str, events: str) -> None:
     assert (row.token, row.release_state, row.released_at) == (2, "", None)
 
 
+@pytest.mark.core
 def test_expiry__reclaims_with_next_token_and_records_previous_owner(
     alias: str, events: str
 ) -> None:
@@ -133,6 +136,7 @@ def test_renew__extends_by_database_clock(alias: str) -> None:
     assert Lease.objects.using(alias).get(key="k").expires_at == after
 
 
+@pytest.mark.core
 def test_renew__after_expiry_is_refused(alias: str) -> None:
     lease = acquire("k", ttl=30, using=alias)
     expire(alias, "k")
@@ -143,6 +147,7 @@ def test_renew__after_expiry_is_refused(alias: str) -> None:
     assert ("lost", 1) in kinds(alias, "k")
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("operation", ["renew", "release", "guard"])
 def test_stale_handle__fails_and_changes_nothing(alias: str, operation: str) -> None:
     stale = acquire("k", ttl=30, owner="a", using=alias)
@@ -180,6 +185,7 @@ def test_force_release__fences_the_holder(alias: str) -> None:
     assert (event.token, event.owner, event.detail) == (1, "a", {"by": "admin:alice"})
 
 
+@pytest.mark.core
 def test_guard__commits_when_current_and_rolls_back_when_stale(alias: str) -> None:
     Report.objects.using(alias).create(name="r")
     lease = acquire("k", ttl=30, using=alias)
@@ -421,6 +427,7 @@ def test_release_current__refuses_a_grant_that_is_not_the_keys_unreleased_one(
     assert kinds(alias, "k") == events
 
 
+@pytest.mark.core
 def test_release_current__no_newer_grant_before_the_commit(alias: str) -> None:
     """R3: the proof's lock holds until the result transaction ends."""
     import threading

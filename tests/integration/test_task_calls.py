@@ -33,6 +33,7 @@ def define(**options: Any) -> Any:
     return app.tasks["calls.build"]
 
 
+@pytest.mark.core
 @db
 def test_direct_call__takes_and_releases_the_lease(lease_db: str) -> None:
     task = define(lease_key="report:{report_id}", lease_ttl=30)
@@ -52,6 +53,7 @@ def test_direct_call__releases_when_the_body_raises(lease_db: str) -> None:
     assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
 
 
+@pytest.mark.core
 @db
 def test_busy_retry__not_limited_by_the_task_max_retries(lease_db: str) -> None:
     """Waiting for the key is not failing: retry 10 of a task allowed 3 is still sent."""
