@@ -37,8 +37,10 @@ class ORMDialect(PortableOperations):
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
         """A key's first grant finds its row there: made beforehand, in a statement of
-        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open."""
-        if request.limit is None and not self.connection.in_atomic_block:
+        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open.
+        With permits too: that row is their head, which the grant's transaction locks
+        first (first grants inserting it at once deadlocked on MariaDB, error 1213)."""
+        if not self.connection.in_atomic_block:
             self._placeholder(request.key)
         return super().acquire(request)
 
