@@ -68,17 +68,16 @@ class MySQL(ORMDialect):
 
         A ``SELECT … FOR UPDATE`` of a missing row locks nothing under READ COMMITTED
         (Django's isolation level for the family): an untokened write that found no row
-        would then go on to write over a fenced result committed meanwhile (R1).
-        PostgreSQL takes an advisory lock on the task id; here the row is inserted with
-        ``ON DUPLICATE KEY UPDATE`` (an exclusive lock even on a duplicate, never the
-        shared one whose upgrade deadlocks) and deleted in the same transaction: the
-        deleted record stays locked by it to the end, and no one sees it.
+        would then go on to write over a fenced result committed meanwhile (R1); under
+        REPEATABLE READ it takes a gap lock, and two such takers deadlock inserting (1213).
+        PostgreSQL takes an advisory lock on the task id; here one ``INSERT … ON DUPLICATE
+        KEY UPDATE`` locks the row, existing or not (an exclusive lock even on a duplicate,
+        never the shared one whose upgrade deadlocks), and a row made here is deleted in
+        the same transaction: the deleted record stays locked by it to the end, and no one
+        sees it. (Each call uses up a value of the table's ``AUTO_INCREMENT``.)
         """
         table = self.connection.ops.quote_name(TaskResult._meta.db_table)
         with self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT id FROM {table} WHERE task_id = %s FOR UPDATE", [task_id])
-            if cursor.fetchone() is not None:
-                return
             cursor.execute(
                 f"""INSERT INTO {table}
                       (task_id, status, content_type, content_encoding, date_created, date_done)
@@ -86,7 +85,7 @@ class MySQL(ORMDialect):
                     ON DUPLICATE KEY UPDATE id = id""",
                 [task_id],
             )
-            if cursor.lastrowid:  # made here (0: a row committed meanwhile, now locked)
+            if cursor.lastrowid:  # made here (0: the task's row, now locked)
                 cursor.execute(f"DELETE FROM {table} WHERE id = %s", [cursor.lastrowid])
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
