@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
-from django.db import models, router, transaction
+from django.db import connections, models, router, transaction
 from django.db.models import F, Q, QuerySet
 
 from celery_fenced import store
@@ -87,12 +87,12 @@ def fenced_update(
         with transaction.atomic(using=alias):
             allowed = Q(**{f"{field}__lte": token}) | Q(**{f"{field}__isnull": True})
             updated = queryset.filter(allowed).update(**values, **{field: token})
-            newer = (
-                queryset.filter(**{f"{field}__gt": token})
-                .order_by(f"-{field}")
-                .values_list(field, flat=True)
-                .first()
-            )
+            newer_rows = queryset.filter(**{f"{field}__gt": token})
+            if connections[alias].vendor == "mysql":
+                # a locking read: the latest rows, as the update's, not the snapshot of a
+                # REPEATABLE READ transaction that began before a newer token committed
+                newer_rows = newer_rows.select_for_update()
+            newer = newer_rows.order_by(f"-{field}").values_list(field, flat=True).first()
             if newer is not None:
                 raise _Newer(int(newer))
             return updated

@@ -94,7 +94,16 @@ def _mariadb(name: str) -> dict[str, object]:
         "HOST": os.environ.get("FENCED_MARIADB_HOST", "127.0.0.1"),
         "PORT": os.environ.get("FENCED_MARIADB_PORT", "3306"),
         # Django stores UTC; the lease SQL's clock is the session's (check E006)
-        "OPTIONS": {"charset": "utf8mb4", "init_command": "SET time_zone = '+00:00'"},
+        "OPTIONS": {
+            "charset": "utf8mb4",
+            "init_command": "SET time_zone = '+00:00'",
+            # Django's default, READ COMMITTED, unless the run asks for another level
+            **(
+                {"isolation_level": os.environ["FENCED_MARIADB_ISOLATION"]}
+                if os.environ.get("FENCED_MARIADB_ISOLATION")
+                else {}
+            ),
+        },
         "TEST": {
             "NAME": os.environ.get("FENCED_MARIADB_TEST_NAME", "test_celery_fenced"),
             "CHARSET": "utf8mb4",

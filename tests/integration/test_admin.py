@@ -18,9 +18,9 @@ from django.test.utils import CaptureQueriesContext
 from celery_fenced import LeaseLost, StaleToken, acquire, force_release, operations, paging
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import HeldLease
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
 CHANGELIST = "/admin/celery_fenced/lease/"
 EVENTS = "/admin/celery_fenced/leaseevent/"
@@ -484,7 +484,7 @@ def test_admin__event_changelist_filters_and_searches(
     assert 'name="_save"' not in page.content.decode()
 
 
-@pytest.mark.django_db(databases=DATABASE_ALIASES)
+@pytest.mark.django_db(databases=WITH_MARIADB)
 def test_timeline__marks_of_one_moment_are_side_by_side_and_inside_the_picture() -> None:
     from celery_fenced import timeline
 
@@ -504,7 +504,7 @@ def test_timeline__marks_of_one_moment_are_side_by_side_and_inside_the_picture()
     assert pic.ticks[-1].anchor == "end"
 
 
-@pytest.mark.django_db(databases=DATABASE_ALIASES)
+@pytest.mark.django_db(databases=WITH_MARIADB)
 def test_admin__reclaim_claimed_at_has_the_format_of_the_other_times(
     login: Callable[..., Client],
 ) -> None:
@@ -531,3 +531,9 @@ def test_admin__a_keys_permits_are_shown_with_their_holders(
     page = client.get(lease_url(lease_db, "tiles")).content.decode()
     assert f"permit 0: held, token {first.token}, worker-a" in page
     assert "permit 1: released" in page
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

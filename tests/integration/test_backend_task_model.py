@@ -16,10 +16,10 @@ from celery_fenced.backends import FencedDatabaseBackend
 from celery_fenced.store import Delivery
 from testproject.celery import app
 from tests import routers
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_backends import request_for
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
 
 def _result_model_like_task_result() -> type[models.Model]:
@@ -63,3 +63,9 @@ def test_own_task_model__fenced_success_is_stored_in_it(
     assert not TaskResult.objects.using(alias).filter(task_id="t1").exists()
     assert backend.get_task_meta("t1")["status"] == "SUCCESS"
     assert lease.released
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

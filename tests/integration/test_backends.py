@@ -270,9 +270,10 @@ def test_statements__fenced_result_write_against_plain(routed: str) -> None:
     # and an INSERT, and no savepoint is opened inside the fenced transaction
     extra = data(fenced) - data(plain)
     print(f"{routed}: plain {data(plain)} statements, fenced {data(fenced)}")
-    # MariaDB: the lease row's lock (with the clock), its release, the result lock; the
-    # result row in one ON DUPLICATE KEY UPDATE
-    assert extra <= {"postgres": 0, "default": 1}.get(routed, 2)
+    # MariaDB: the lease row's lock (with the clock), its release, the result lock (with
+    # no row yet: made and deleted again, so that it locks); the result row in one ON
+    # DUPLICATE KEY UPDATE
+    assert extra <= {"postgres": 0, "default": 1}.get(routed, 3)
     assert not [x for x in fenced.captured_queries if "SAVEPOINT" in x["sql"].upper()]
     first = next(
         x["sql"]
@@ -443,3 +444,110 @@ def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -
         connection.close()
         options.pop("server_side_binding")
         routers.TARGET = "default"
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_untokened_write__no_row_yet__never_overwrites_a_fenced_final_committed_meanwhile(
+    routed: str, monkeypatch: pytest.MonkeyPatch, state: str
+) -> None:
+    """A late copy's REVOKED or a failure before its grant (the job's grant expired, no
+    successor) checks while the task has no result row yet; the expired holder's SUCCESS,
+    still current, inserts the row and commits meanwhile. The task id's result lock must
+    serialize them with no row to lock (MariaDB: a ``SELECT … FOR UPDATE`` of a missing
+    row locks nothing under READ COMMITTED): the fenced SUCCESS stands, not the untokened
+    FAILURE written over it."""
+    if routed == "default":
+        pytest.skip("SQLite has one writer: the two never interleave")
+    import threading
+
+    held = acquire("job", ttl=30, task_id="t1", owner="w@h:100:1", using=routed)
+    Lease.objects.using(routed).filter(key="job").update(expires_at=F("acquired_at"))
+    checked, go, written, commit = (threading.Event() for _ in range(4))
+    original = FencedDatabaseBackend._untokened_may_write
+
+    def paused(self: Any, *args: Any, **kwargs: Any) -> bool:
+        may = original(self, *args, **kwargs)
+        if threading.current_thread() is not main:
+            checked.set()
+            go.wait(timeout=30)
+        return may
+
+    main = threading.current_thread()
+    monkeypatch.setattr(FencedDatabaseBackend, "_untokened_may_write", paused)
+    errors: list[BaseException] = []
+
+    def late_copy() -> None:
+        try:
+            report(state, "t1", main_process_request("t1", None))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connections[routed].close()
+
+    def holder() -> None:
+        try:
+            with transaction.atomic(using=routed):
+                FencedDatabaseBackend(app=app).mark_as_done(
+                    "t1", {"v": 1}, request=request_for("t1", held)
+                )
+                written.set()
+                commit.wait(timeout=30)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connections[routed].close()
+
+    revoking = threading.Thread(target=late_copy)
+    revoking.start()
+    assert checked.wait(timeout=30)
+    finishing = threading.Thread(target=holder)
+    finishing.start()
+    written.wait(timeout=2)  # PostgreSQL: waits for the late copy's result lock
+    go.set()
+    revoking.join(timeout=2)  # MariaDB: its insert waits for the holder's
+    commit.set()
+    revoking.join(timeout=30)
+    finishing.join(timeout=30)
+    assert not errors
+    row = TaskResult.objects.using(routed).get(task_id="t1")
+    assert (row.status, json.loads(row.result)) == (states.SUCCESS, {"v": 1})
+
+
+def test_result_lock__no_row__concurrent_takers_wait_in_turn_without_deadlock(
+    routed: str,
+) -> None:
+    """Eight transactions take the result lock of a task id that has no row, at once:
+    each waits for the one before (none sees another inside), and none fails (MariaDB:
+    the lock is a row inserted and deleted again; no deadlock, error 1213)."""
+    if routed == "default":
+        pytest.skip("SQLite has one writer: the transactions queue on its write lock")
+    import threading
+    import time
+
+    barrier = threading.Barrier(8)
+    inside: list[int] = []
+    overlaps: list[int] = []
+    errors: list[BaseException] = []
+
+    def take(i: int) -> None:
+        try:
+            barrier.wait(30)
+            with transaction.atomic(using=routed):
+                store.lock_for_result(routed, "t1")
+                if inside:
+                    overlaps.append(i)
+                inside.append(i)
+                time.sleep(0.05)
+                inside.remove(i)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections[routed].close()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert (errors, overlaps) == ([], [])
+    assert not TaskResult.objects.using(routed).filter(task_id="t1").exists()

@@ -15,9 +15,9 @@ from django.db.models import F
 
 from celery_fenced import LeaseLost, acquire, commands
 from celery_fenced.models import Lease, LeaseEvent
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
 
 class FakeTTY(io.StringIO):
@@ -276,3 +276,9 @@ def test_show_and_list__a_keys_permits(alias: str) -> None:
     listed = fenced("list", "--database", alias)
     assert "tiles (2 permits)" in listed
     assert "tiles (permit 0)" in listed
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

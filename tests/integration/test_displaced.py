@@ -11,7 +11,7 @@ from celery import chain, states
 
 from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_seams import (
     Broker,
     Execution,
@@ -22,7 +22,7 @@ from tests.integration.test_seams import (
 )
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -182,7 +182,7 @@ def test_displaced_execution_killed_by_time_limit__its_failure_ends_the_job(
     )
 
 
-@pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+@pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over_that_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -261,3 +261,9 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
     assert (lease.task_id, lease.token) == ("d", 3)  # D took C's grant (token 2) over
     handed = sorted(PendingJob.objects.using(alias).values_list("task_id", flat=True))
     assert handed == ["a", "c"], handed  # C's job was displaced too
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

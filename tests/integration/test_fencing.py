@@ -84,6 +84,40 @@ def test_fenced_update__newer_row_refuses_and_nothing_changes(alias: str) -> Non
 
 
 @db
+def test_fenced_update__newer_row_committed_after_the_callers_snapshot_still_refuses(
+    alias: str,
+) -> None:
+    """REPEATABLE READ (MariaDB's own default, a Django ``isolation_level`` away): a caller's
+    transaction read the rows before another writer stamped one with a newer token. The
+    update skips that row (it reads the latest version), and the check for a newer
+    token must see it too, not the caller's snapshot: StaleToken, nothing changed."""
+    from django.db import transaction
+
+    if alias == "default":
+        pytest.skip("SQLite has one writer: the other cannot commit meanwhile")
+    queryset = reports(alias, 1, 2)
+    connection = connections[alias]
+    if connection.vendor == "mysql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+
+    def newer_writer() -> None:
+        try:
+            fenced_update(Report.objects.using(alias).filter(name="r1"), token=5, body="newer")
+        finally:
+            connections[alias].close()
+
+    with transaction.atomic(using=alias):
+        assert len(list(queryset)) == 2  # the caller's read: its snapshot, if any
+        writer = threading.Thread(target=newer_writer)
+        writer.start()
+        writer.join(30)
+        with pytest.raises(StaleToken):
+            fenced_update(queryset, token=3, body="stale")
+    assert rows(alias) == [("r0", "old", 1), ("r1", "newer", 5)]
+
+
+@db
 def test_fenced_update__filtered_queryset_ignores_other_rows(alias: str) -> None:
     reports(alias, 1, 9)
     assert fenced_update(Report.objects.using(alias).filter(name="r0"), token=2, body="new") == 1

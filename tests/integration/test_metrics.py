@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 
 from celery_fenced import LeaseBusy, StaleToken, acquire, force_release, metrics
 from celery_fenced.models import Lease, PendingJob
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
 TASK = "app.tasks.rebuild"
 
@@ -156,3 +156,9 @@ def test_metrics_port__validated_by_name() -> None:
         app.conf.fenced_metrics_port = bad
         with pytest.raises(FencedConfigurationError, match="fenced_metrics_port must be a TCP"):
             load(app)
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

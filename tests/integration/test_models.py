@@ -86,3 +86,30 @@ def test_check_database_clock__names_a_mysql_session_not_in_utc(settings: Any) -
         with connection.cursor() as cursor:
             cursor.execute("SET time_zone = '+00:00'")
     assert check_database_clock(databases=[MARIADB]) == []
+
+
+@pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+@pytest.mark.parametrize(("one", "other"), [("Job-1", "job-1"), ("t", "t "), ("é", "e")])
+def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> None:
+    """Two jobs whose task ids differ in case, trailing spaces or accents are two jobs in
+    the outbox and on the leases, as on PostgreSQL: the second's publish does not replace
+    the first's pending row (its job would be sent again under the other's task id), its
+    grant does not end the first's row, and a report of one never ends the other's grant."""
+    from celery_fenced import acquire, store
+    from celery_fenced.models import PendingJob
+    from celery_fenced.store.dialects.records import Pending
+
+    def pending(task_id: str) -> Pending:
+        return Pending(
+            task_id, "t.n", f"key:{task_id}", f'{{"id": "{task_id}"}}', None, None, None, 60
+        )
+
+    store.record_pending(alias, pending(one))
+    store.record_pending(alias, pending(other))
+    rows = dict(PendingJob.objects.using(alias).values_list("task_id", "job"))
+    assert rows == {one: f'{{"id": "{one}"}}', other: f'{{"id": "{other}"}}'}
+    held = acquire("k", ttl=30, task_id=one, owner="w@h:7:1", using=alias, ends_pending=True)
+    assert set(PendingJob.objects.using(alias).values_list("task_id", flat=True)) == {other}
+    # the main process reports that the process of ``other`` ended: not ``one``'s grant
+    assert store.settle_elsewhere(other, process="w@h:7:", by="worker:failure", using=alias)
+    held.renew()

@@ -21,7 +21,7 @@ from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.hooks import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_seams import (
     RUNS,
     Broker,
@@ -33,7 +33,7 @@ from tests.integration.test_seams import (
 )
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -677,3 +677,9 @@ def test_abandoned_job_taken_over__stays_abandoned(broker: Broker, lease_db: str
     acquire(lease.key, ttl=30, task_id="b-x", using=lease_db)
     assert pending(lease_db) == []
     a.finish()
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

@@ -1,5 +1,5 @@
 """Permits (issue 18): up to N holders of a key, each with a fencing token of the key's one
-sequence, on SQLite and PostgreSQL — PostgreSQL's one-statement grant and the portable
+sequence, on SQLite, PostgreSQL and MariaDB — PostgreSQL's one-statement grant and the portable
 transaction both (``dialect``)."""
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
 from celery_fenced.store.dialects import Delivery
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_admin import CHANGELIST, OPERATOR, login  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
+pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
 
 
 @pytest.fixture(params=["native", "portable"])
@@ -183,6 +189,43 @@ def test_concurrent_acquirers__exactly_limit_granted() -> None:
         thread.start()
     for thread in threads:
         thread.join(60)
+    assert (len(granted), len(busy)) == (4, 8)
+    assert len({lease.key for lease in granted}) == 4
+    assert len({lease.token for lease in granted}) == 4
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "first grants"])
+@pytest.mark.parametrize("race_alias", ["postgres", "mariadb"])
+def test_concurrent_acquirers__no_error__exactly_limit_granted(
+    race_alias: str, warm: bool
+) -> None:
+    """Twelve threads, four permits, on a key with rows already or on a new key: four
+    grants, eight busy, distinct tokens, and no database error (MariaDB: first grants that
+    insert the key's rows at once must not deadlock, error 1213)."""
+    if warm:
+        acquire("c", ttl=30, limit=4, task_id="warm", using=race_alias).release()
+    barrier = threading.Barrier(12)
+    granted: list[Any] = []
+    busy: list[Any] = []
+    errors: list[BaseException] = []
+
+    def take(i: int) -> None:
+        try:
+            barrier.wait(30)
+            granted.append(acquire("c", ttl=30, limit=4, task_id=f"t{i}", using=race_alias))
+        except LeaseBusy as exc:
+            busy.append(exc)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
     assert (len(granted), len(busy)) == (4, 8)
     assert len({lease.key for lease in granted}) == 4
     assert len({lease.token for lease in granted}) == 4

@@ -17,11 +17,11 @@ from django_celery_results.models import ChordCounter, TaskResult
 from celery_fenced import FencedTask, acquire
 from celery_fenced.models import PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_seams import Broker, deliver
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -174,3 +174,9 @@ def test_busy_skipped_link_callback__not_sent_again_and_never_runs(
         [],
         [],
     )
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

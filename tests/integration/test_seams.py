@@ -25,10 +25,10 @@ from django_celery_results.models import ChordCounter, TaskResult
 from celery_fenced import FencedTask, StaleToken, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
 from testproject.demo.models import Report
-from tests.conftest import DATABASE_ALIASES, terminate_connection
+from tests.conftest import WITH_MARIADB, terminate_connection
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -1037,3 +1037,9 @@ def test_busy_failed_redelivery_in_the_same_process__ends_not_the_running_grant(
     finally:
         task.lease_on_busy = None
     assert status(lease_db, "running-5") == ("SUCCESS", '"5@1"')
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

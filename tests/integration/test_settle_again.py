@@ -20,7 +20,7 @@ from django.db import OperationalError, connections
 from django.utils import timezone
 
 from celery_fenced.models import LeaseEvent, PendingJob
-from tests.conftest import DATABASE_ALIASES, terminate_connection
+from tests.conftest import WITH_MARIADB, terminate_connection
 from tests.integration.test_seams import (
     RUNS,
     Broker,
@@ -32,7 +32,7 @@ from tests.integration.test_seams import (
 )
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -470,3 +470,9 @@ def test_failure_settled_again__chain_failed_and_errback_sent_once(
     assert len(broker.sent("seams.errback")) == 1
     assert broker.sent("seams.sink") == []
     _started(broker, lease_db, "seams.errback")
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

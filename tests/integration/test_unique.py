@@ -20,12 +20,12 @@ from celery_fenced.conf import load
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import WITH_MARIADB
 from tests.integration.test_outbox import pending, rolled_back
 from tests.integration.test_seams import Broker, Execution, deliver, granted, status, wait_for
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
     pytest.mark.timeout(120),
 ]
 
@@ -433,3 +433,9 @@ def test_until_done_no_longer_configured__the_grant_ends_the_row(
     deliver(broker.app, broker.one("seams.keyed"))
     assert status(lease_db, first)[0] == states.SUCCESS
     assert pending(lease_db) == []
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb

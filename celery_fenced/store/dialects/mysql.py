@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.db import transaction
+from django_celery_results.models import TaskResult
 
+from celery_fenced.models import Lease
 from celery_fenced.store.dialects.orm import ORMDialect
 from celery_fenced.store.dialects.records import EVENT, LEASE, Renewal, aware
 
@@ -42,6 +44,49 @@ class MySQL(ORMDialect):
             return None
         lease_id, token, released_at, expires_at, now = row
         return lease_id, token, _aware_or_none(released_at), aware(expires_at), aware(now)
+
+    def _locked_rows(self, keys: list[str]) -> list[Lease]:
+        """The permit rows of ``keys``, locked through the keys' unique index always: on a
+        small table the optimizer scans the whole table instead, locking each row it
+        reads — among them the row another first grant of the key is inserting, which
+        waits for the head row this transaction holds (a deadlock, error 1213)."""
+        if not keys:
+            return []
+        marks = ", ".join(["%s"] * len(keys))
+        return list(
+            Lease._default_manager.raw(
+                f"""SELECT * FROM {LEASE} FORCE INDEX (celery_fenced_lease_key_uniq)
+                    WHERE `key` IN ({marks}) FOR UPDATE""",
+                keys,
+                using=self.alias,
+            )
+        )
+
+    def lock_for_result(self, task_id: str) -> None:
+        """The task id's result row, locked until the transaction ends — made first, and
+        deleted again at once, when the task has no row yet.
+
+        A ``SELECT … FOR UPDATE`` of a missing row locks nothing under READ COMMITTED
+        (Django's isolation level for the family): an untokened write that found no row
+        would then go on to write over a fenced result committed meanwhile (R1); under
+        REPEATABLE READ it takes a gap lock, and two such takers deadlock inserting (1213).
+        PostgreSQL takes an advisory lock on the task id; here one ``INSERT … ON DUPLICATE
+        KEY UPDATE`` locks the row, existing or not (an exclusive lock even on a duplicate,
+        never the shared one whose upgrade deadlocks), and a row made here is deleted in
+        the same transaction: the deleted record stays locked by it to the end, and no one
+        sees it. (Each call uses up a value of the table's ``AUTO_INCREMENT``.)
+        """
+        table = self.connection.ops.quote_name(TaskResult._meta.db_table)
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                f"""INSERT INTO {table}
+                      (task_id, status, content_type, content_encoding, date_created, date_done)
+                    VALUES (%s, 'PENDING', '', '', CURRENT_TIMESTAMP(6), CURRENT_TIMESTAMP(6))
+                    ON DUPLICATE KEY UPDATE id = id""",
+                [task_id],
+            )
+            if cursor.lastrowid:  # made here (0: the task's row, now locked)
+                cursor.execute(f"DELETE FROM {table} WHERE id = %s", [cursor.lastrowid])
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         """Every lease in one ``UPDATE … JOIN``; the renewed ones read back by their new

@@ -37,12 +37,14 @@ class ORMDialect(PortableOperations):
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
         """A key's first grant finds its row there: made beforehand, in a statement of
-        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open."""
-        if request.limit is None and not self.connection.in_atomic_block:
-            self._placeholder(request.key)
+        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open.
+        With permits too: that row is their head, which the grant's transaction locks
+        first (first grants inserting it at once deadlocked on MariaDB, error 1213)."""
+        if not self.connection.in_atomic_block:
+            self._placeholder(request.key, request.task_name)
         return super().acquire(request)
 
-    def _placeholder(self, key: str) -> None:
+    def _placeholder(self, key: str, task_name: str = "") -> None:
         """The key's row, if missing: released, never granted (token 0), so the grant's
         transaction always locks an existing row. Two first grants of a key would
         otherwise both insert it: on InnoDB the loser's duplicate-key error leaves it a
@@ -53,7 +55,13 @@ class ORMDialect(PortableOperations):
             return
         now = self.now()
         row = Lease(
-            key=key, token=0, acquired_at=now, renewed_at=now, expires_at=now, released_at=now
+            key=key,
+            token=0,
+            task_name=task_name[:255],  # a permits' head keeps it, as when made by the grant
+            acquired_at=now,
+            renewed_at=now,
+            expires_at=now,
+            released_at=now,
         )
         if self.connection.features.supports_ignore_conflicts:
             # one statement whichever first grant comes first (MySQL's INSERT IGNORE)

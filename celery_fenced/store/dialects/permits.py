@@ -67,7 +67,7 @@ class PermitGrants:
         if isinstance(head, Holder):
             return head
         names = [permits.permit_key(key, i) for i in range(max(head.permits, limit))]
-        found = {row.key: row for row in rows.select_for_update().filter(key__in=names)}
+        found = {row.key: row for row in self._locked_rows(names)}
         # the clock once the permit rows are locked: a release this transaction waited
         # for came before the grant, in the key's history too
         now = self.now()
@@ -107,9 +107,7 @@ class PermitGrants:
         missing = [name for name in names[:limit] if name not in found]
         if missing:  # made once, never granted: later grants find them free
             rows.bulk_create([_free_row(name, request.task_name, now) for name in missing])
-            found.update(
-                (row.key, row) for row in rows.select_for_update().filter(key__in=missing)
-            )
+            found.update((row.key, row) for row in self._locked_rows(missing))
         row = _choose(found, names[:limit], job, now)
         assert row is not None  # fewer than limit held: one of the first limit is free
         try:  # a delivery of the same job granted another permit meanwhile (PostgreSQL)
@@ -169,6 +167,12 @@ class PermitGrants:
         expires = now + dt.timedelta(seconds=request.ttl)
         previous = row.expires_at if reclaimed_from else None
         return Grant(row.pk, token, expires, reclaimed_from, None, row.key, previous)
+
+    def _locked_rows(self, keys: list[str]) -> list[Lease]:
+        """The lease rows of ``keys`` that exist, locked until the transaction ends."""
+        return list(
+            Lease._default_manager.using(self.alias).select_for_update().filter(key__in=keys)
+        )
 
     def _head(self, request: GrantRequest) -> Lease | Holder:
         """The key's own row, locked, marked as the head of ``request.limit`` permits (made
