@@ -166,34 +166,6 @@ def test_bad_limit__refused_by_name(limit: Any) -> None:
         acquire("k", ttl=30, limit=limit)
 
 
-def test_concurrent_acquirers__exactly_limit_granted() -> None:
-    """Twelve threads, four permits on PostgreSQL: four grants, eight busy, distinct
-    tokens — whether the one statement or the transaction grants each."""
-    postgres_alias = "postgres"
-    acquire("warm", ttl=30, limit=4, using=postgres_alias)  # the head and a permit row made
-    barrier = threading.Barrier(12)
-    granted: list[Any] = []
-    busy: list[Any] = []
-
-    def take(i: int) -> None:
-        try:
-            barrier.wait(30)
-            granted.append(acquire("c", ttl=30, limit=4, task_id=f"t{i}", using=postgres_alias))
-        except LeaseBusy as exc:
-            busy.append(exc)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(12)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert (len(granted), len(busy)) == (4, 8)
-    assert len({lease.key for lease in granted}) == 4
-    assert len({lease.token for lease in granted}) == 4
-
-
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "first grants"])
 @pytest.mark.parametrize("race_alias", ["postgres", "mariadb"])
 def test_concurrent_acquirers__no_error__exactly_limit_granted(
