@@ -25,17 +25,13 @@ class MySQL(ORMDialect):
     check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes.
     """
 
-    def now(self) -> dt.datetime:
-        with self.connection.cursor() as cursor:
-            cursor.execute("SELECT CURRENT_TIMESTAMP(6)")
-            row = cursor.fetchone()
-        return aware(row[0])
+    CLOCK = "CURRENT_TIMESTAMP(6)"  # to the microsecond
 
     def _locked_row(self, key: str) -> tuple[Any, ...] | None:
         """The row's lock and the database's time in one ``SELECT … FOR UPDATE``."""
         with self.connection.cursor() as cursor:
             cursor.execute(
-                f"""SELECT id, token, released_at, expires_at, CURRENT_TIMESTAMP(6)
+                f"""SELECT id, token, released_at, expires_at, {self.CLOCK}
                     FROM {LEASE} WHERE `key` = %s FOR UPDATE""",
                 [key],
             )
@@ -81,7 +77,7 @@ class MySQL(ORMDialect):
             cursor.execute(
                 f"""INSERT INTO {table}
                       (task_id, status, content_type, content_encoding, date_created, date_done)
-                    VALUES (%s, 'PENDING', '', '', CURRENT_TIMESTAMP(6), CURRENT_TIMESTAMP(6))
+                    VALUES (%s, 'PENDING', '', '', {self.CLOCK}, {self.CLOCK})
                     ON DUPLICATE KEY UPDATE id = id""",
                 [task_id],
             )
@@ -98,7 +94,7 @@ class MySQL(ORMDialect):
         for lease in leases:
             params += [lease.key, lease.token, lease.owner, round(lease.ttl * 1_000_000)]
         with transaction.atomic(using=self.alias), self.connection.cursor() as cursor:
-            cursor.execute("SELECT CURRENT_TIMESTAMP(6)")
+            cursor.execute(f"SELECT {self.CLOCK}")
             now = cursor.fetchone()[0]
             cursor.execute(
                 f"""UPDATE {LEASE} l JOIN ({wanted}) v
@@ -130,7 +126,7 @@ class MySQL(ORMDialect):
         with self.connection.cursor() as cursor:
             cursor.execute(
                 f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, %s, %s, %s, %s, CURRENT_TIMESTAMP(6), %s
+                    SELECT id, %s, %s, %s, %s, {self.CLOCK}, %s
                     FROM {LEASE} WHERE `key` = %s""",
                 [kind, token, task_id, owner, json.dumps(detail), key],
             )

@@ -90,9 +90,12 @@ class ORMDialect(PortableOperations):
         except IntegrityError:
             return None
 
+    #: SQL for the database's clock
+    CLOCK = "CURRENT_TIMESTAMP"
+
     def now(self) -> dt.datetime:
         with self.connection.cursor() as cursor:
-            cursor.execute("SELECT CURRENT_TIMESTAMP")
+            cursor.execute(f"SELECT {self.CLOCK}")
             row = cursor.fetchone()
         return aware(row[0])
 
