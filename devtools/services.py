@@ -184,22 +184,21 @@ MARIADB_USER = "fenced"
 MARIADB_PASSWORD = "fenced"
 
 
+MARIADB_PROGRAMS = ("mariadbd", "mariadb-install-db", "mariadb")
+
+
 def mariadb_binaries() -> tuple[str, str, str]:
     """Debian's MariaDB server: ``mariadbd``, ``mariadb-install-db`` and the client
-    (installed with apt when missing and root), and the headers ``mysqlclient`` builds
-    against (``libmariadb-dev``)."""
+    (installed with apt when missing and root). The headers ``mysqlclient`` builds against
+    are :func:`mariadb_client_headers`' (the test command installs them before pip)."""
     found = [shutil.which(n, path="/usr/sbin:/usr/bin") for n in MARIADB_PROGRAMS]
     if None in found:
         _apt_install("mariadb-server")
         found = [shutil.which(n, path="/usr/sbin:/usr/bin") for n in MARIADB_PROGRAMS]
     if None in found:
         sys.exit("mariadbd not found after installing mariadb-server")
-    mariadb_client_headers()
     server, install_db, client = (str(path) for path in found)
     return server, install_db, client
-
-
-MARIADB_PROGRAMS = ("mariadbd", "mariadb-install-db", "mariadb")
 
 
 def mariadb_client_headers() -> None:
@@ -212,9 +211,10 @@ def mariadb_client_headers() -> None:
 
 
 def start_mariadb(base: Path) -> dict[str, str]:
-    """MariaDB on a free loopback port with its data in ``base/mariadb``, the server's
-    default collation (``utf8mb4_general_ci``: the package must compare keys byte for
-    byte itself), a user with every privilege (the tests create their database)."""
+    """MariaDB on a free loopback port with its data in ``base/mariadb``, a user with
+    every privilege (the tests create their database, ``utf8mb4`` with its default
+    collation ``utf8mb4_general_ci``: the package must compare keys byte for byte
+    itself)."""
     server, install_db, client = mariadb_binaries()
     home = base / "mariadb"  # the server's files: its data, socket, pid file and log
     data = home / "data"
