@@ -57,9 +57,7 @@ def _pyenv_interpreters() -> None:
     root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     found = [str(Path(b)) for b in sorted(glob.glob(f"{root}/3.*/bin"))]
     os.environ["PATH"] = os.pathsep.join([*found, os.environ.get("PATH", "")])
-    missing = sorted(
-        {python for python, _ in MATRIX} - {p for p, _ in MATRIX if shutil.which(f"python{p}")}
-    )
+    missing = sorted({python for python, _ in MATRIX if not shutil.which(f"python{python}")})
     if missing:
         raise SystemExit(
             f"the version matrix needs Python {', '.join(missing)}: install them (e.g. "
