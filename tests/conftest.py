@@ -172,34 +172,61 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def wait_until_blocked(alias: str, thread: Any) -> None:
     """Wait until ``thread``'s statement waits for a lock in ``alias``'s database.
 
-    PostgreSQL tells (``pg_stat_activity``); SQLite does not, so there the thread is only
-    known to be alive (waiting, or not there yet: the test then proves less, never fails).
+    PostgreSQL (``pg_stat_activity``) and MariaDB (``information_schema.INNODB_TRX``)
+    tell; SQLite does not, so there the thread is only known to be alive (waiting, or not
+    there yet: the test then proves less, never fails).
     """
     import time
 
     deadline = time.monotonic() + 30
-    if connections[alias].vendor != "postgresql":
+    vendor = connections[alias].vendor
+    if vendor not in WAITING:
         thread.join(timeout=0.5)
         assert thread.is_alive()
         return
-    with side_connection(alias) as watcher:
+    watcher = side_connection(alias)
+    try:
         while time.monotonic() < deadline:
-            row = watcher.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            ).fetchone()
+            cursor = watcher.cursor()
+            cursor.execute(WAITING[vendor])
+            row = cursor.fetchone()
             if row and row[0]:
                 return
             assert thread.is_alive()
-            time.sleep(0.02)
-    raise AssertionError("the duplicate's statement never waited for the lease row")
+            # InnoDB refreshes INNODB_TRX only when it was not read for 0.1 s
+            time.sleep(0.02 if vendor == "postgresql" else 0.15)
+    finally:
+        watcher.close()
+    raise AssertionError("the thread's statement never waited for a lock")
+
+
+#: how many of the test database's sessions wait for a lock, by vendor
+WAITING = {
+    "postgresql": "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+    "AND datname = current_database()",
+    "mysql": "SELECT count(*) FROM information_schema.INNODB_TRX t "
+    "JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
+    "WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()",
+}
 
 
 def side_connection(alias: str) -> Any:
-    """A psycopg connection of its own to ``alias``'s PostgreSQL database (autocommit)."""
+    """A connection of its own to ``alias``'s PostgreSQL or MariaDB database (autocommit)."""
+    settings = connections[alias].settings_dict
+    if connections[alias].vendor == "mysql":
+        import MySQLdb
+
+        connection = MySQLdb.connect(
+            host=settings["HOST"],
+            port=int(settings["PORT"]),
+            user=settings["USER"],
+            password=settings["PASSWORD"],
+            database=settings["NAME"],
+        )
+        connection.autocommit(True)
+        return connection
     import psycopg
 
-    settings = connections[alias].settings_dict
     return psycopg.connect(
         host=settings["HOST"],
         port=settings["PORT"],

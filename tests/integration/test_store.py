@@ -745,3 +745,48 @@ def test_release__every_shape_of_the_postgres_statement(
     moved = set(Completion.objects.using("postgres").values_list("digest", flat=True))
     assert moved == ({"X" * 32} if completing and displaces is not False else set())
     assert LeaseEvent.objects.using("postgres").filter(kind="released").exists() == routine
+
+
+def test_event_outside_a_grant__waits_for_the_grants_row_without_deadlock(alias: str) -> None:
+    """A ``duplicate`` event recorded while a grant's transaction holds the key's row, and
+    then records an event of its own: both commit, no error (MariaDB's ``INSERT … SELECT``
+    held the events table's AUTO-INC lock while it waited for the row, and the grant's
+    event then waited for that lock: error 1213, seen in CI)."""
+    import threading
+
+    from django.db import transaction
+
+    from celery_fenced import store
+
+    if alias == "default":
+        pytest.skip("SQLite has one writer: the event waits on its write lock, no row lock")
+    lease = acquire("job", ttl=30, owner="a", using=alias)
+    lease.release()
+    errors: list[BaseException] = []
+
+    def duplicate() -> None:
+        try:
+            store.record_duplicate("job", "t2", "b", {"retries": 0}, using=alias)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections[alias].close()
+
+    with transaction.atomic(using=alias):
+        row = Lease.objects.using(alias).select_for_update().get(key="job")
+        thread = threading.Thread(target=duplicate)
+        thread.start()
+        wait_until_blocked(alias, thread)
+        LeaseEvent.objects.using(alias).create(
+            lease_id=row.pk,
+            kind="busy",
+            token=row.token,
+            task_id="t3",
+            owner="c",
+            at=dt.datetime.now(dt.UTC),
+            detail={},
+        )
+    thread.join(30)
+    assert not thread.is_alive()
+    assert errors == []
+    assert {"busy", "duplicate"} <= {k for k, _ in kinds(alias, "job")}

@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.db import transaction
-from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects.orm import ORMDialect
-from celery_fenced.store.dialects.records import EVENT, LEASE, Renewal, aware
+from celery_fenced.store.dialects.records import EVENT, LEASE, RESULT, Renewal, aware
 
 
 class MySQL(ORMDialect):
@@ -72,17 +71,16 @@ class MySQL(ORMDialect):
         the same transaction: the deleted record stays locked by it to the end, and no one
         sees it. (Each call uses up a value of the table's ``AUTO_INCREMENT``.)
         """
-        table = self.connection.ops.quote_name(TaskResult._meta.db_table)
         with self.connection.cursor() as cursor:
             cursor.execute(
-                f"""INSERT INTO {table}
+                f"""INSERT INTO {RESULT}
                       (task_id, status, content_type, content_encoding, date_created, date_done)
                     VALUES (%s, 'PENDING', '', '', {self.CLOCK}, {self.CLOCK})
                     ON DUPLICATE KEY UPDATE id = id""",
                 [task_id],
             )
             if cursor.lastrowid:  # made here (0: the task's row, now locked)
-                cursor.execute(f"DELETE FROM {table} WHERE id = %s", [cursor.lastrowid])
+                cursor.execute(f"DELETE FROM {RESULT} WHERE id = %s", [cursor.lastrowid])
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         """Every lease in one ``UPDATE … JOIN``; the renewed ones read back by their new
@@ -122,13 +120,24 @@ class MySQL(ORMDialect):
         owner: str,
         detail: dict[str, Any],
     ) -> None:
-        """One ``INSERT … SELECT``: the event of ``key``'s row, if the key has one."""
-        with self.connection.cursor() as cursor:
+        """The event of ``key``'s row, if the key has one: the row share-locked first,
+        then the event inserted, in one transaction.
+
+        One ``INSERT … SELECT`` deadlocked with a grant (1213, or 1467 "failed to read
+        auto-increment value"): it takes the events table's AUTO-INC lock for the whole
+        statement and then waited for the row the grant holds, while the grant's own event
+        waited for that AUTO-INC lock. Holding the row's shared lock before the insert, the
+        insert waits for nothing, whatever ``innodb_autoinc_lock_mode`` is.
+        """
+        with transaction.atomic(using=self.alias), self.connection.cursor() as cursor:
+            cursor.execute(f"SELECT id FROM {LEASE} WHERE `key` = %s LOCK IN SHARE MODE", [key])
+            row = cursor.fetchone()
+            if row is None:
+                return
             cursor.execute(
                 f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    SELECT id, %s, %s, %s, %s, {self.CLOCK}, %s
-                    FROM {LEASE} WHERE `key` = %s""",
-                [kind, token, task_id, owner, json.dumps(detail), key],
+                    VALUES (%s, %s, %s, %s, %s, {self.CLOCK}, %s)""",
+                [row[0], kind, token, task_id, owner, json.dumps(detail)],
             )
 
 
