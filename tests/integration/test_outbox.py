@@ -683,3 +683,47 @@ def test_abandoned_job_taken_over__stays_abandoned(broker: Broker, lease_db: str
 def alias(alias_with_mariadb: str) -> str:
     """SQLite, PostgreSQL and MariaDB."""
     return alias_with_mariadb
+
+
+def test_two_copies_recorded_at_once__the_later_replaces_the_row_without_error(
+    lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two copies of one job retried at the same moment (a redelivery beside the original)
+    both find no pending row, then both insert it (the portable dialect: MariaDB's): the
+    later insert, refused once the first commits, replaces that row — no duplicate-key
+    error (MariaDB's 1062 failed the retry, seen in CI)."""
+    from django.db.models.query import QuerySet
+
+    from celery_fenced.store.dialects import for_alias
+    from celery_fenced.store.dialects.records import Pending
+
+    if lease_db == "default":
+        pytest.skip("SQLite has one writer: the second copy's update waits for the first")
+    both_found_none = threading.Barrier(2)
+    create = QuerySet.create
+
+    def create_once_both_looked(self: QuerySet[Any], **fields: Any) -> Any:
+        if self.model is PendingJob:
+            both_found_none.wait(30)
+        return create(self, **fields)
+
+    monkeypatch.setattr(QuerySet, "create", create_once_both_looked)
+    errors: list[BaseException] = []
+
+    def copy(n: int) -> None:
+        try:
+            pending = Pending("t1", "t.n", "k", f'{{"copy": {n}}}', None, None, None, 60)
+            for_alias(lease_db, portable=True).record_pending(pending)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connections[lease_db].close()
+
+    threads = [threading.Thread(target=copy, args=(n,)) for n in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    rows = [(row.task_id, row.job) for row in pending(lease_db)]
+    assert rows in ([("t1", '{"copy": 1}')], [("t1", '{"copy": 2}')])

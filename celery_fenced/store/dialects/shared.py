@@ -30,7 +30,12 @@ class PortableOperations(Dialect, PermitGrants):
     reclaimer's bookkeeping, where a database's own SQL would gain nothing."""
 
     def record_pending(self, pending: Pending) -> None:
-        """The outbox's row of a published job, written or replaced (same task id)."""
+        """The outbox's row of a published job, written or replaced (same task id).
+
+        Two copies of one job retried at once (a redelivery beside the original) both
+        find no row and both insert: the later insert, refused by the unique task id
+        once the first commits, replaces that row instead.
+        """
         values = {
             **self._pending_values(pending),
             "unique_key": None,
@@ -38,10 +43,15 @@ class PortableOperations(Dialect, PermitGrants):
             "started_token": None,
             "plain": pending.plain,
         }
-        rows = PendingJob._default_manager.using(self.alias)
+        rows = PendingJob._default_manager.using(self.alias).filter(task_id=pending.task_id)
         with transaction.atomic(using=self.alias):
-            if not rows.filter(task_id=pending.task_id).update(**values):
-                rows.create(task_id=pending.task_id, **values)
+            if rows.update(**values):
+                return
+            try:
+                with transaction.atomic(using=self.alias):
+                    rows.create(task_id=pending.task_id, **values)
+            except IntegrityError:  # the other copy's row, committed meanwhile
+                rows.update(**values)
 
     def _pending_values(self, pending: Pending) -> dict[str, Any]:
         countdown = dt.timedelta(seconds=pending.countdown or 0.0)
