@@ -1,7 +1,9 @@
 """The version matrix: the suite's fast core on every supported Python x Django.
 
-``nox`` runs session ``core`` for each pair below, plus ``oldest`` (the oldest Celery,
-kombu and django-celery-results the dependencies allow). The core is the tests marked
+``nox`` runs session ``core`` for each pair below (the newest Celery, kombu and
+django-celery-results), plus ``oldest``: the lowest version of every dependency that
+pyproject.toml allows (uv's ``--resolution lowest-direct``: Django 4.2.0, Celery 5.3.0 …)
+on the oldest Python. The core is the tests marked
 ``core``: the store, the result backend, task calls and one real-worker test, on SQLite
 and PostgreSQL, with the servers of ``tests/run.sh`` (their ``FENCED_*`` variables). The
 whole suite runs once, on the main combination, in ``tests/run.sh`` itself.
@@ -37,11 +39,6 @@ MATRIX = [
     ("3.13", "6.0"),
     ("3.13", "6.1"),
 ]
-#: the floors of pyproject.toml's dependencies, on the oldest Python and Django
-OLDEST = (
-    "3.10",
-    ["django==4.2.*", "celery==5.7.0", "kombu==5.7.0", "django-celery-results==2.6.0"],
-)
 
 CORE_TESTS = [
     "tests/integration/test_store.py",
@@ -50,6 +47,14 @@ CORE_TESTS = [
     "tests/acceptance/test_task_workers.py",
 ]
 TEST_TOOLS = ["pytest>=8", "pytest-django>=4.8", "pytest-timeout>=2.3", "time-machine>=2.13"]
+#: what each session prints it ran on (the table of the README's "Supported versions")
+SHOWN = ["django", "celery", "kombu", "django-celery-results", "psycopg", "redis", "click"]
+SHOW_VERSIONS = f"""
+import sys
+from importlib.metadata import version
+found = [f"{{name}} {{version(name)}}" for name in {SHOWN}]
+print("versions: Python", ", ".join([sys.version.split()[0], *found]))
+"""
 
 
 def _pyenv_interpreters() -> None:
@@ -69,6 +74,7 @@ _pyenv_interpreters()
 
 
 def _run_core(session: nox.Session) -> None:
+    session.run("python", "-c", SHOW_VERSIONS)
     if "FENCED_PG_PORT" not in os.environ:
         session.error(
             "PostgreSQL and Redis are not configured (FENCED_PG_PORT is unset): run "
@@ -107,8 +113,11 @@ def core(session: nox.Session, django: str) -> None:
     _run_core(session)
 
 
-@nox.session(python=OLDEST[0])
+@nox.session(python=MATRIX[0][0])
 def oldest(session: nox.Session) -> None:
-    """The fast core on the oldest Celery, kombu and django-celery-results allowed."""
-    session.install("-e", ".[postgres,redis]", *OLDEST[1], *TEST_TOOLS)
+    """The fast core on the lowest version of each dependency pyproject.toml allows."""
+    if session.venv_backend != "uv":
+        session.error("session oldest needs uv (--resolution lowest-direct)")
+    session.install("--resolution", "lowest-direct", "-e", ".[postgres,redis]")
+    session.install(*TEST_TOOLS)  # the newest test tools; the package's floors stay
     _run_core(session)

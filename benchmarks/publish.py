@@ -23,6 +23,7 @@ from statistics import median
 from typing import Any
 
 from benchmarks.common import Context, Line
+from devtools.workers import configure
 
 
 def run(ctx: Context) -> list[Line]:
@@ -34,7 +35,7 @@ def run(ctx: Context) -> list[Line]:
     from testproject.celery import app
     from testproject.demo.models import LedgerEntry
 
-    app.conf.broker_url = ctx.redis_url
+    configure(app, broker_url=ctx.redis_url)
     queue = f"bench-publish-{uuid.uuid4().hex[:6]}"
     plain, fenced = app.tasks["bench.noop_plain"], app.tasks["bench.noop_fenced"]
     unique = app.tasks["bench.noop_unique"]

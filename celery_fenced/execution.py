@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from billiard.einfo import ExceptionInfo
 from celery import Celery, Signature, Task, states
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -122,6 +123,16 @@ class FencedExecution:
         return getattr(self.request, "_fenced_lease", None)
 
     # -- execution -------------------------------------------------------------------
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Push a request that keeps the current one's fields, as Celery 5.5 and later do.
+
+        ``Task.__call__`` pushes a request of its own; before Celery 5.5 a bare one, so the
+        body of a task called directly, eagerly or by ``apply()`` saw no task id, token or
+        lease (a worker's pool process skips that push).
+        """
+        fields = {**self.request.__dict__, **kwargs}
+        self.request_stack.push(Context(*args, **fields))  # type: ignore[attr-defined]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from celery_fenced import store
         from celery_fenced.renewal import renewer
@@ -129,7 +140,7 @@ class FencedExecution:
         if self.request_stack.top is None:  # type: ignore[attr-defined]
             # task(...) called directly: without a request of its own the call would
             # share Celery's default request (and its lease) with every other thread
-            self.push_request()  # type: ignore[attr-defined]
+            self.push_request()
             try:
                 return FencedExecution.__call__(self, *args, **kwargs)
             finally:

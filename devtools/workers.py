@@ -135,11 +135,23 @@ class Worker:
         self.log.close()
 
 
+def configure(app: Any, **settings: Any) -> None:
+    """Set Celery settings on an app configured from Django's settings (namespace CELERY).
+
+    Celery before 5.7 looks up the namespaced name (``CELERY_BROKER_URL``, from Django's
+    settings) before the plain one, so ``app.conf.broker_url = url`` is silently ignored
+    there: set both names.
+    """
+    prefix = f"{app.namespace}_" if getattr(app, "namespace", None) else ""
+    for name, value in settings.items():
+        app.conf.update({name: value, **({prefix + name.upper(): value} if prefix else {})})
+
+
 def send(name: str, *, queue: str, args: Any = (), kwargs: Any = None, **options: Any) -> str:
     """Send task ``name`` to Redis; return its task id."""
     from testproject.celery import app
 
-    app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
+    configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
     result = app.send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
     return str(result.id)
 
@@ -159,16 +171,19 @@ def broker_app(broker_url: str, folder: Path | None = None) -> Any:
 
     app = Celery("tests", set_as_current=False)
     app.config_from_object("django.conf:settings", namespace="CELERY")
-    app.conf.broker_url = broker_url
+    configure(app, broker_url=broker_url)
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        app.conf.broker_transport_options = {
-            "data_folder_in": str(folder),
-            "data_folder_out": str(folder),
-            "processed_folder": f"{folder}-processed",
-            "control_folder": f"{folder}-control",
-            "store_processed": False,
-        }
+        configure(
+            app,
+            broker_transport_options={
+                "data_folder_in": str(folder),
+                "data_folder_out": str(folder),
+                "processed_folder": f"{folder}-processed",
+                "control_folder": f"{folder}-control",
+                "store_processed": False,
+            },
+        )
     return app
 
 

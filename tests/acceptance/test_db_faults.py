@@ -23,7 +23,7 @@ from django_celery_results.models import TaskResult
 
 from celery_fenced.models import LeaseEvent
 from devtools.services import run_as_postgres
-from devtools.workers import send, wait_for
+from devtools.workers import configure, send, wait_for
 from testproject.demo.models import ChaosEntry, ChaosSlot
 from tests.conftest import DATABASE_ALIASES
 
@@ -60,7 +60,7 @@ def reclaimer() -> Any:
         pytest.fail("celery_fenced.reclaim is missing: nothing sends the lost jobs again")
     from testproject.celery import app
 
-    app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
+    configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
     return lambda: reclaim_expired(app, using="postgres")
 
 

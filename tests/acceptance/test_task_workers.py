@@ -10,7 +10,7 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
-from devtools.workers import send, wait_for
+from devtools.workers import configure, send, wait_for
 from tests.conftest import WITH_MARIADB
 
 pytestmark = [
@@ -325,7 +325,7 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
 
         from testproject.celery import app
 
-        app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
+        configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
         app.control.revoke(task_id, terminate=True)
     released = wait_for(
         lambda: Lease.objects.using(alias).filter(pk=lease.pk, released_at__isnull=False).first(),

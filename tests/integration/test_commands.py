@@ -15,6 +15,7 @@ from django.db.models import F
 
 from celery_fenced import LeaseLost, acquire, commands
 from celery_fenced.models import Lease, LeaseEvent
+from devtools.workers import configure
 from tests.conftest import WITH_MARIADB
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
@@ -221,7 +222,7 @@ def test_reclaim__resends_an_expired_unfinished_job(alias: str, dry_run: bool) -
     from celery_fenced.reclaim import Job, encode_job
     from testproject.celery import app
 
-    app.conf.broker_url = os.environ["FENCED_REDIS_URL"]
+    configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
     job = encode_job(Job(task="testproject.demo.tasks.probe", args=[], kwargs={}))
     acquire("job:r", ttl=30, task_id="t-r", task_name="probe", job=job, using=alias)
     Lease.objects.using(alias).filter(key="job:r").update(expires_at=F("acquired_at"))

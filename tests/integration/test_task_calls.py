@@ -44,6 +44,25 @@ def test_direct_call__takes_and_releases_the_lease(lease_db: str) -> None:
     assert task(7) == 2  # not busy: the first call let go
 
 
+@pytest.mark.core
+@pytest.mark.parametrize("how", ["direct", "apply"])
+@db
+def test_body__sees_its_task_id_key_and_token_outside_a_worker(lease_db: str, how: str) -> None:
+    """Celery before 5.5 gave a body run outside a worker a bare request of its own."""
+    app = Celery("task-calls-request", set_as_current=False, broker="memory://")
+
+    @app.task(bind=True, name="calls.request", base=FencedTask, shared=False, lease_key="r:{n}")
+    def read(self: Any, n: int) -> list[Any]:
+        request = self.request
+        return [request.id, request.lease_key, request.fencing_token, self.lease.key]
+
+    if how == "direct":
+        assert read(3) == [None, "r:3", 1, "r:3"]
+    else:
+        assert read.apply((3,), task_id="t-3").get() == ["t-3", "r:3", 1, "r:3"]
+    assert Lease.objects.using(lease_db).get(key="r:3").released_at is not None
+
+
 @db
 def test_direct_call__releases_when_the_body_raises(lease_db: str) -> None:
     task = define(lease_key=lambda args, kwargs: "report:any", lease_ttl=30)

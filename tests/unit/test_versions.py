@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 has no tomllib
+    tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,3 +54,19 @@ def test_docs__table_of_supported_versions_is_the_matrix(page: str) -> None:
 def test_requires_python__is_the_oldest_tested() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == f">={min(matrix(), key=lambda p: int(p[0][2:]))[0]}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_docs__oldest_tested_versions_are_the_dependencies_floors(page: str) -> None:
+    """Session ``oldest`` installs each dependency's floor: the docs name those."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = dict(re.findall(r"^([a-z-]+)>=([\d.]+)", "\n".join(project["dependencies"]), re.M))
+    section = (ROOT / page).read_text().split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    oldest = section.split("Session `oldest`", 1)[1].split("Databases:", 1)[0]
+    for name, label in [
+        ("django", "Django"),
+        ("celery", "Celery"),
+        ("kombu", "kombu"),
+        ("django-celery-results", "django-celery-results"),
+    ]:
+        assert re.search(rf"\b{label} {re.escape(floors[name])}(\.0)*\b", oldest), name
