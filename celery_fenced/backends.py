@@ -40,7 +40,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import outages, outbox, store, workflow
+from celery_fenced import exits, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.store import HeldLease
 
@@ -192,17 +192,50 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             self._settle(task_id, result, state, request, lease, drive)
         elif not self._is_fenced(request):
             drive()
+        elif self._after_the_process_exits(task_id, state, request, drive):
+            return
         else:
-            # often the worker's main process, whose connections nothing else resets
+            self._report_elsewhere(task_id, state, request, drive)
 
-            again = _from_scratch(request)
+    def _after_the_process_exits(
+        self, task_id: str, state: str, request: Any, drive: Callable[[], None]
+    ) -> bool:
+        """Whether the report is left to a thread that waits for the pool process it names
+        to exit (see :mod:`celery_fenced.exits`): the worker's main process reports a hard
+        time limit before it kills the process, whose grant must not end while it runs —
+        nor may a database that is away hold the kill back."""
+        ended = getattr(request, "_fenced_process", None)
+        process = ended.owner_prefix if ended is not None else None
+        pid = exits.live_child(process)
+        if pid is None or process is None:
+            return False
+        logger.info(
+            "%s of task %s: reported once its pool process %s has exited",
+            state,
+            task_id,
+            pid,
+            extra={"task_id": task_id},
+        )
+        exits.after_exit(
+            pid,
+            lambda: store.process_holds(task_id, process),
+            lambda: self._report_elsewhere(task_id, state, request, drive),
+        )
+        return True
 
-            def attempt() -> None:
-                again()
-                if self._may_record_elsewhere(task_id, state, request):
-                    self._untokened(task_id, state, request, lambda: self._ended(drive, request))
+    def _report_elsewhere(
+        self, task_id: str, state: str, request: Any, drive: Callable[[], None]
+    ) -> None:
+        """An untokened final outcome of a fenced task, reported outside its grant (often
+        by the worker's main process, whose connections nothing else resets)."""
+        again = _from_scratch(request)
 
-            self._through_outages(task_id, self._untokened_aliases(), attempt)
+        def attempt() -> None:
+            again()
+            if self._may_record_elsewhere(task_id, state, request):
+                self._untokened(task_id, state, request, lambda: self._ended(drive, request))
+
+        self._through_outages(task_id, self._untokened_aliases(), attempt)
 
     def _ended(self, drive: Callable[[], None], request: Any) -> None:
         """``drive()`` — an untokened final outcome of a fenced task (a time limit, a lost

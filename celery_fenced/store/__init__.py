@@ -38,6 +38,7 @@ from celery_fenced.store.grants import (
     grant_live_since,
     grant_of,
     granted_again,
+    process_holds,
     record_duplicate,
     settle_elsewhere,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "mark_ended",
     "mark_unsent",
     "pending_rows",
+    "process_holds",
     "prove_for_result",
     "record_deduplicated",
     "record_duplicate",

@@ -202,6 +202,13 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
     return token
 
 
+def process_holds(task_id: str, process: str, *, using: str | None = None) -> bool:
+    """Whether the pool process ``process`` (an owner prefix, ``host:pid:``) holds an
+    unreleased grant of ``task_id``."""
+    grants = dialects.for_alias(database_alias(using)).task_grants(task_id)
+    return any(owner.startswith(process) for _key, _token, owner, _live in grants)
+
+
 def settle_elsewhere(
     task_id: str, *, process: str | None, by: str, using: str | None = None
 ) -> bool:

@@ -402,6 +402,67 @@ def test_stale_result__never_written_over_a_final_outcome(routed: str) -> None:
     assert TaskResult.objects.using(routed).get(task_id="t1").status == states.REVOKED
 
 
+@pytest.fixture
+def pool_process() -> Iterator[Any]:
+    """A real child process of this one, standing in for the worker's pool process."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield child
+    child.kill()
+    child.wait()
+
+
+def reports_waiting(pid: int) -> bool:
+    import threading
+
+    return any(t.name == f"celery-fenced-after-exit-{pid}" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("state", [states.REVOKED, states.FAILURE])
+def test_main_process_report__of_a_process_still_running__waits_until_it_exited(
+    routed: str, state: str, pool_process: Any
+) -> None:
+    """The main process reports a hard time limit before it kills the pool process (and a
+    terminate right after signalling it): while that process runs, its grant stands and
+    nothing is recorded; once it has exited, the grant ends and the outcome is stored."""
+    from devtools.workers import wait_for
+
+    pid = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=f"w@h:{pid}:1", using=routed)
+    report(state, "t1", main_process_request("t1", pid))
+    assert reports_waiting(pid)
+    assert Lease.objects.using(routed).get(key="job").released_at is None
+    assert not TaskResult.objects.using(routed).filter(task_id="t1").exists()
+    pool_process.kill()  # a zombie until reaped: exited all the same
+    row = wait_for(
+        lambda: TaskResult.objects.using(routed).filter(task_id="t1").first(), 30, "the report"
+    )
+    assert row.status == state
+    assert Lease.objects.using(routed).get(key="job").released_at is not None
+    event = LeaseEvent.objects.using(routed).get(kind="force_released")
+    assert event.detail["by"] == f"worker:{state.lower()}"
+
+
+def test_main_process_report__of_a_running_process_whose_execution_ended__records_nothing(
+    routed: str, pool_process: Any
+) -> None:
+    """The process outlived the report and finished the execution itself (its SUCCESS
+    stored under its grant): the waiting report stops when the grant ends, and the
+    FAILURE never overwrites the execution's own result."""
+    from devtools.workers import wait_for
+
+    pid = pool_process.pid
+    lease = acquire("job", ttl=30, task_id="t1", owner=f"w@h:{pid}:1", using=routed)
+    report(states.FAILURE, "t1", main_process_request("t1", pid))
+    FencedDatabaseBackend(app=app).mark_as_done("t1", {"v": 1}, request=request_for("t1", lease))
+    wait_for(lambda: not reports_waiting(pid), 30, "the waiting report to end")
+    assert pool_process.poll() is None  # it still runs: the grant's end was enough
+    assert TaskResult.objects.using(routed).get(task_id="t1").status == states.SUCCESS
+    assert not LeaseEvent.objects.using(routed).filter(kind="force_released").exists()
+
+
 def test_main_process_report__recorded_through_a_dropped_connection(routed: str) -> None:
     """The worker's main process keeps its connections for good: one cut by a database
     restart is replaced, and the report recorded (found by the chaos runner)."""

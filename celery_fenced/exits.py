@@ -1,0 +1,92 @@
+"""Waiting for a pool process to exit before its execution's end is reported.
+
+The worker's main process reports the end of an execution it did not run with the
+result backend, and for a hard time limit it does so *before* the pool process is killed:
+billiard's ``TimeoutHandler.on_hard_timeout`` stores the job's ``TimeLimitExceeded``, runs
+the timeout callback (Celery's ``Request.on_timeout``: the backend's ``mark_as_failure``)
+and only then sends SIGTERM and, 0.1 s later, SIGKILL; a ``revoke(terminate=True)``
+reports right after it sends the signal. Ending the grant in that report would leave the
+process running the body without a grant (the next grant of the key could come while it
+runs), and a database that is away would hold the kill back while the report waits for it.
+
+So when the process the report names is still a live child of this one, the report is
+made by a thread of its own once the process has exited — or once its grant ended
+otherwise (the execution released it with its own result, or another execution took it
+over), whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: how often the waiting thread looks at the process, and at the grant (seconds)
+PROCESS_POLL = 0.02
+GRANT_POLL = 1.0
+
+
+def live_child(owner_prefix: str | None) -> int | None:
+    """The pid that ``owner_prefix`` (``host:pid:``) names, if it is a child process of
+    this one that has not exited (a zombie has); None otherwise, or where ``/proc`` does
+    not tell (the report is then made at once)."""
+    if not owner_prefix:
+        return None
+    try:
+        pid = int(owner_prefix.rstrip(":").rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    return pid if _running_child(pid) else None
+
+
+def _running_child(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) state ppid …": the command name may hold spaces and parentheses
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return len(fields) > 1 and fields[0] not in ("Z", "X", "x") and int(fields[1]) == os.getpid()
+
+
+def after_exit(pid: int, held: Callable[[], bool], report: Callable[[], None]) -> None:
+    """Call ``report()`` in a daemon thread once process ``pid`` has exited, or as soon as
+    ``held()`` (asked every :data:`GRANT_POLL` seconds) is False."""
+    thread = threading.Thread(
+        target=_report_after_exit,
+        args=(pid, held, report),
+        name=f"celery-fenced-after-exit-{pid}",
+        daemon=True,
+    )
+    thread.start()
+
+
+def _still(held: Callable[[], bool]) -> bool:
+    try:
+        return held()
+    except Exception:  # the database is away: the process is what is waited for
+        logger.info("could not read the grant while waiting for a pool process", exc_info=True)
+        return True
+
+
+def _report_after_exit(pid: int, held: Callable[[], bool], report: Callable[[], None]) -> None:
+    from django.db import connections
+
+    try:
+        asked = time.monotonic()
+        while _running_child(pid):
+            time.sleep(PROCESS_POLL)
+            if time.monotonic() - asked >= GRANT_POLL:
+                asked = time.monotonic()
+                if not _still(held):
+                    break
+        report()
+    except Exception:
+        logger.exception("the report of pool process %s's end failed", pid)
+    finally:
+        connections.close_all()  # this thread's own
