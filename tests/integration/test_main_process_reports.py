@@ -16,6 +16,8 @@ from billiard.einfo import ExceptionInfo
 from celery import states
 from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import TimeLimitExceeded
+from django.db import connections
+from django_celery_results.models import TaskResult
 
 from celery_fenced import acquire
 from celery_fenced.models import Lease
@@ -77,3 +79,42 @@ def test_hard_time_limit__reported_twice_by_celery__recorded_and_its_errback_sen
     assert status(lease_db, "t1")[0] == states.FAILURE
     assert Lease.objects.using(lease_db).get(key="job").released_at is not None
     assert len(broker.sent("seams.errback")) == 1
+
+
+def test_warm_shutdown__waits_for_a_report_still_to_be_made(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes], caplog: Any
+) -> None:
+    """A report waits for its pool process to exit; the worker shuts down warm (Celery's
+    ``worker_shutdown``, sent once the pool has been stopped). The report is made before
+    the shutdown goes on: a daemon thread dies with the process, and the outcome with it
+    (the message is acknowledged, the grant would run out its ttl)."""
+    import logging
+
+    from celery import signals
+
+    caplog.set_level(logging.INFO, logger="celery_fenced.exits")
+    pid = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    request = accepted(broker, "t1", pid)
+    request.on_timeout(False, 1.0)
+    assert reports_waiting()
+    recorded: list[bool] = []
+
+    def shutdown() -> None:
+        try:
+            signals.worker_shutdown.send(sender=None)
+            recorded.append(
+                TaskResult.objects.using(lease_db).filter(task_id="t1", status="FAILURE").exists()
+            )
+        finally:
+            connections.close_all()
+
+    stopping = threading.Thread(target=shutdown)
+    stopping.start()
+    wait_for(
+        lambda: not stopping.is_alive() or "waiting for the reports" in caplog.text,
+        "the shutdown to return or to wait for the report",
+    )
+    pool_process.kill()  # the pool stopped: its processes exit
+    stopping.join(60)
+    assert recorded == [True]
