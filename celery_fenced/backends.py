@@ -42,6 +42,7 @@ from django_celery_results.models import TaskResult
 
 from celery_fenced import exits, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
+from celery_fenced.requests import EndedProcess
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
@@ -192,10 +193,26 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             self._settle(task_id, result, state, request, lease, drive)
         elif not self._is_fenced(request):
             drive()
-        elif self._after_the_process_exits(task_id, state, request, drive):
-            return
-        else:
+        elif self._first_report(task_id, state, request) and not self._after_the_process_exits(
+            task_id, state, request, drive
+        ):
             self._report_elsewhere(task_id, state, request, drive)
+
+    def _first_report(self, task_id: str, state: str, request: Any) -> bool:
+        """False for a second report of the end of one execution by the worker's main
+        process: Celery reports a hard time limit twice (``Request.on_failure``, then
+        ``Request.on_timeout``), and the first one records it, its errbacks and its chord
+        count (R4: once)."""
+        ended = getattr(request, "_fenced_process", None)
+        if not isinstance(ended, EndedProcess) or ended.first_report():
+            return True
+        logger.info(
+            "%s of task %s: its end was reported already",
+            state,
+            task_id,
+            extra={"task_id": task_id},
+        )
+        return False
 
     def _after_the_process_exits(
         self, task_id: str, state: str, request: Any, drive: Callable[[], None]

@@ -12,7 +12,10 @@ runs), and a database that is away would hold the kill back while the report wai
 So when the process the report names is still a live child of this one, the report is
 made by a thread of its own once the process has exited — or once its grant ended
 otherwise (the execution released it with its own result, or another execution took it
-over), whichever comes first.
+over), whichever comes first. At the worker's warm shutdown its main process waits for
+those reports (:func:`wait_for_reports`): a daemon thread would otherwise die with the
+process, and the outcome with it (its message already acknowledged, the grant left to
+run out its ttl).
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ logger = logging.getLogger(__name__)
 #: how often the waiting thread looks at the process, and at the grant (seconds)
 PROCESS_POLL = 0.02
 GRANT_POLL = 1.0
+#: how long a warm shutdown waits for the reports still to be made (seconds): the pool
+#: processes have exited by then; this bounds a report held by the database (its
+#: outages are ridden out for about 15 s, see :mod:`celery_fenced.outages`)
+SHUTDOWN_WAIT = 60.0
+
+_waiting: set[threading.Thread] = set()
+_waiting_lock = threading.Lock()
 
 
 def live_child(owner_prefix: str | None) -> int | None:
@@ -63,7 +73,25 @@ def after_exit(pid: int, held: Callable[[], bool], report: Callable[[], None]) -
         name=f"celery-fenced-after-exit-{pid}",
         daemon=True,
     )
+    with _waiting_lock:
+        _waiting.add(thread)
     thread.start()
+
+
+def wait_for_reports(timeout: float = SHUTDOWN_WAIT) -> None:
+    """Wait (up to ``timeout`` seconds in all) for the reports still to be made: called at
+    the worker's warm shutdown, once its pool processes have been stopped."""
+    with _waiting_lock:
+        threads = [thread for thread in _waiting if thread.is_alive()]
+    if not threads:
+        return
+    logger.info("waiting for the reports of %d ended pool process(es)", len(threads))
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    left = [thread.name for thread in threads if thread.is_alive()]
+    if left:
+        logger.warning("shutting down with reports not made: %s", ", ".join(left))
 
 
 def _still(held: Callable[[], bool]) -> bool:
@@ -90,3 +118,5 @@ def _report_after_exit(pid: int, held: Callable[[], bool], report: Callable[[], 
         logger.exception("the report of pool process %s's end failed", pid)
     finally:
         connections.close_all()  # this thread's own
+        with _waiting_lock:
+            _waiting.discard(threading.current_thread())

@@ -311,10 +311,12 @@ def on_worker_process_init(**kwargs: Any) -> None:
 
 def on_process_shutdown(**kwargs: Any) -> None:
     """On a warm shutdown, release what this process still holds; close its connections;
-    its metrics' live gauges stop counting."""
-    from celery_fenced import metrics, store
+    its metrics' live gauges stop counting. The worker's main process first makes the
+    reports that waited for a pool process to exit (:mod:`celery_fenced.exits`)."""
+    from celery_fenced import exits, metrics, store
     from celery_fenced.renewal import renewer
 
+    exits.wait_for_reports()
     for lease in renewer().held():
         renewer().unregister(lease)
         try:

@@ -9,10 +9,13 @@ an object a message cannot forge, so the backend ends only that process's grant.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery.worker.request import Request
+
+_claims = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -22,9 +25,24 @@ class EndedProcess:
     ``owner_prefix`` is None for a delivery that never started (expired, revoked before
     it ran): it held no grant; and for an execution of an in-process pool (threads,
     solo), which ends its own grant.
+
+    One per worker request: Celery reports a hard time limit twice (billiard's
+    ``TimeoutHandler.on_hard_timeout`` sets the job's result, which calls
+    ``Request.on_failure``, then runs ``Request.on_timeout``; both call
+    ``mark_as_failure``), and one execution has one end — see :meth:`first_report`.
     """
 
     owner_prefix: str | None
+    _reported: list[bool] = field(default_factory=list, compare=False, repr=False)
+
+    def first_report(self) -> bool:
+        """True the first time only: the report of this end that records it (the result,
+        the errbacks, the chord count); a later one changes nothing."""
+        with _claims:
+            if self._reported:
+                return False
+            self._reported.append(True)
+            return True
 
 
 class FencedRequestMixin:
@@ -41,7 +59,12 @@ class FencedRequestMixin:
         # process's pid, which names every execution of the worker: there the execution
         # ends its grant itself, and the report ends none.
         separate = bool(pid) and pid != os.getpid()
-        context._fenced_process = EndedProcess(f"{self.hostname}:{pid}:" if separate else None)
+        prefix = f"{self.hostname}:{pid}:" if separate else None
+        ended = self.__dict__.get("_fenced_ended")
+        if not isinstance(ended, EndedProcess) or ended.owner_prefix != prefix:
+            # the same object for every report of this request's end (see EndedProcess)
+            ended = self.__dict__["_fenced_ended"] = EndedProcess(prefix)
+        context._fenced_process = ended
         return context
 
 

@@ -1,0 +1,120 @@
+"""The worker's main process reports the end of an execution it did not run, through
+Celery's own request (``celery.worker.request.Request``) and billiard's order of calls,
+for a real child process standing in for the pool process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from billiard.einfo import ExceptionInfo
+from celery import states
+from celery.contrib.testing.mocks import TaskMessage
+from celery.exceptions import TimeLimitExceeded
+from django.db import connections
+from django_celery_results.models import TaskResult
+
+from celery_fenced import acquire
+from celery_fenced.models import Lease
+from celery_fenced.requests import FencedRequest
+from tests.conftest import WITH_MARIADB
+from tests.integration.test_seams import Broker, status, wait_for
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture
+def pool_process() -> Iterator[subprocess.Popen[bytes]]:
+    """A real child process of this one, standing in for the worker's pool process."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield child
+    child.kill()
+    child.wait()
+
+
+def reports_waiting() -> bool:
+    return any(t.name.startswith("celery-fenced-after-exit-") for t in threading.enumerate())
+
+
+def accepted(broker: Broker, task_id: str, pid: int) -> Any:
+    """The main process's request of ``seams.step`` (with an errback), accepted by ``pid``."""
+    app = broker.app
+    message = TaskMessage(
+        "seams.step",
+        id=task_id,
+        args=("t",),
+        errbacks=[dict(app.signature("seams.errback"))],
+    )
+    request = FencedRequest(message, app=app, task=app.tasks["seams.step"], hostname="w@seams")
+    request.on_accepted(pid, time.monotonic())
+    return request
+
+
+def test_hard_time_limit__reported_twice_by_celery__recorded_and_its_errback_sent_once(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes]
+) -> None:
+    """billiard's ``TimeoutHandler.on_hard_timeout`` sets the job's result (Celery's
+    ``Request.on_failure``: ``mark_as_failure``), then runs the timeout callback
+    (``Request.on_timeout``: ``mark_as_failure`` again), then kills the process. One
+    execution ended, once: its errback is sent once (R4)."""
+    pid = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    request = accepted(broker, "t1", pid)
+    try:
+        raise TimeLimitExceeded(1.0)
+    except TimeLimitExceeded:
+        request.on_failure(ExceptionInfo())
+    request.on_timeout(False, 1.0)
+    pool_process.kill()
+    pool_process.wait()
+    wait_for(lambda: not reports_waiting(), "the reports")
+    assert status(lease_db, "t1")[0] == states.FAILURE
+    assert Lease.objects.using(lease_db).get(key="job").released_at is not None
+    assert len(broker.sent("seams.errback")) == 1
+
+
+def test_warm_shutdown__waits_for_a_report_still_to_be_made(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes], caplog: Any
+) -> None:
+    """A report waits for its pool process to exit; the worker shuts down warm (Celery's
+    ``worker_shutdown``, sent once the pool has been stopped). The report is made before
+    the shutdown goes on: a daemon thread dies with the process, and the outcome with it
+    (the message is acknowledged, the grant would run out its ttl)."""
+    import logging
+
+    from celery import signals
+
+    caplog.set_level(logging.INFO, logger="celery_fenced.exits")
+    pid = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    request = accepted(broker, "t1", pid)
+    request.on_timeout(False, 1.0)
+    assert reports_waiting()
+    recorded: list[bool] = []
+
+    def shutdown() -> None:
+        try:
+            signals.worker_shutdown.send(sender=None)
+            recorded.append(
+                TaskResult.objects.using(lease_db).filter(task_id="t1", status="FAILURE").exists()
+            )
+        finally:
+            connections.close_all()
+
+    stopping = threading.Thread(target=shutdown)
+    stopping.start()
+    wait_for(
+        lambda: not stopping.is_alive() or "waiting for the reports" in caplog.text,
+        "the shutdown to return or to wait for the report",
+    )
+    pool_process.kill()  # the pool stopped: its processes exit
+    stopping.join(60)
+    assert recorded == [True]
