@@ -65,15 +65,17 @@ class Worker:
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = log_dir / f"{self.name}.log"
+        env = env or {}
         worker_env = {
             **os.environ,
             "FENCED_USE_TEST_DATABASES": "1",
             "FENCED_DB": database if database in ("postgres", "mariadb") else "sqlite",
-            "FENCED_BROKER_URL": broker_url(broker),
+            # the test's broker, unless the environment given names one
+            "FENCED_BROKER_URL": env.get("FENCED_BROKER_URL") or broker_url(broker),
             "FENCED_WORKER_NAME": name,
             "DJANGO_SETTINGS_MODULE": "testproject.settings",
             "PYTHONPATH": str(ROOT),
-            **(env or {}),
+            **env,
         }
         cmd = [
             sys.executable,
