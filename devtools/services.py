@@ -1,10 +1,11 @@
-"""Throwaway PostgreSQL, Redis and MariaDB servers for the test suite and the benchmarks.
+"""Throwaway PostgreSQL, Redis, MariaDB and RabbitMQ servers for the test suite and the
+benchmarks.
 
 ``python -m devtools.services chromium`` installs Debian's chromium for the browser tests
 (when missing and root) and prints its path.
 
-``python -m devtools.services start DIR`` starts PostgreSQL, Redis and MariaDB on free
-loopback ports with their data in ``DIR`` and prints ``export`` lines for the shell;
+``python -m devtools.services start DIR`` starts PostgreSQL, Redis, MariaDB and RabbitMQ
+on free loopback ports with their data in ``DIR`` and prints ``export`` lines for the shell;
 ``stop DIR`` stops them. ``python -m devtools.services headers`` installs the MariaDB
 client headers that ``pip install mysqlclient`` compiles against (when missing and root).
 PostgreSQL refuses to run as root, so as root it runs as the ``postgres`` user: its
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
 import socket
@@ -301,6 +303,197 @@ def start_redis(base: Path, port: int | None = None) -> dict[str, str]:
     return {"FENCED_REDIS_URL": f"redis://127.0.0.1:{port}/0"}
 
 
+RABBITMQ_BIN = Path("/usr/lib/rabbitmq/bin")
+#: RabbitMQ's own default, written out: how long a consumer may hold a delivery
+#: unacknowledged before the broker closes its channel and requeues it (ms). Tests shorten
+#: it for their own workers with :func:`set_consumer_timeout`.
+RABBITMQ_CONSUMER_TIMEOUT_MS = 1_800_000
+
+
+def rabbitmq_scripts() -> tuple[str, str]:
+    """Debian's ``rabbitmq-server`` and ``rabbitmqctl`` scripts (installed with apt when
+    missing and root).
+
+    Not ``/usr/sbin``'s wrappers: those switch to the ``rabbitmq`` user and its home, where
+    the system node's Erlang cookie is, and a throwaway node has its own.
+    """
+    server, ctl = RABBITMQ_BIN / "rabbitmq-server", RABBITMQ_BIN / "rabbitmqctl"
+    if not server.exists():
+        system_node_was_up = _port_open(5672)
+        _apt_install("rabbitmq-server")
+        if not system_node_was_up:
+            _stop_system_rabbitmq()
+    if not server.exists():
+        sys.exit(f"{server} not found after installing rabbitmq-server")
+    return str(server), str(ctl)
+
+
+def _stop_system_rabbitmq() -> None:
+    """Debian's postinst starts the system node unless ``policy-rc.d`` forbids it (as it
+    does in containers): stop it and keep it from starting at boot, so that no node is left
+    on the fixed ports (5672, 25672, epmd's 4369)."""
+    if not _port_open(5672):
+        return
+    print("# stopping the system rabbitmq-server the package started", file=sys.stderr)
+    for command in (
+        ["service", "rabbitmq-server", "stop"],
+        ["update-rc.d", "rabbitmq-server", "disable"],
+        ["epmd", "-kill"],  # the system node's, on 4369
+    ):
+        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def _rabbitmq_env(home: Path) -> dict[str, str]:
+    """The environment of the node in ``home`` and of ``rabbitmqctl`` talking to it."""
+    node = json.loads((home / "node.json").read_text())
+    return {
+        **os.environ,
+        "HOME": str(home),  # the node's own Erlang cookie, made at its first start
+        "RABBITMQ_CONF_ENV_FILE": str(home / "rabbitmq-env.conf"),  # not /etc's
+        "RABBITMQ_NODENAME": node["name"],
+        "ERL_EPMD_PORT": str(node["epmd_port"]),
+        "ERL_EPMD_ADDRESS": "127.0.0.1",
+        # the CLI's own distribution port (by default from a fixed range, 35672-35682)
+        "RABBITMQ_CTL_DIST_PORT_MIN": str(node["ctl_port"]),
+        "RABBITMQ_CTL_DIST_PORT_MAX": str(node["ctl_port"]),
+    }
+
+
+def spawn_rabbitmq(base: Path) -> dict[str, str]:
+    """Start a RabbitMQ node in ``base/rabbitmq`` as on a fresh machine, without waiting.
+
+    Its own database, logs, config and Erlang cookie there; a unique node name
+    (``rabbit-PORT@localhost``), free ports for AMQP, Erlang distribution and its own epmd,
+    all on loopback; no plugins. ``consumer_timeout`` is RabbitMQ's default (30 min), and
+    the broker evaluates it every second instead of every minute
+    (``channel_tick_interval``) so a test's shorter one is enforced promptly.
+    :func:`wait_rabbitmq` waits until it accepts AMQP connections.
+    """
+    server, _ = rabbitmq_scripts()
+    home = base / "rabbitmq"
+    home.mkdir(parents=True)
+    port, dist_port, epmd_port, ctl_port = (free_port() for _ in range(4))
+    node = {
+        "name": f"rabbit-{port}@localhost",
+        "port": port,
+        "epmd_port": epmd_port,
+        "ctl_port": ctl_port,
+    }
+    (home / "node.json").write_text(json.dumps(node))
+    (home / "rabbitmq-env.conf").write_text("")
+    (home / "enabled_plugins").write_text("[].\n")
+    (home / "rabbitmq.conf").write_text(
+        f"listeners.tcp.default = 127.0.0.1:{port}\n"
+        f"consumer_timeout = {RABBITMQ_CONSUMER_TIMEOUT_MS}\n"
+    )
+    (home / "advanced.config").write_text("[{rabbit, [{channel_tick_interval, 1000}]}].\n")
+    env = {
+        **_rabbitmq_env(home),
+        "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+        "RABBITMQ_NODE_PORT": str(port),
+        "RABBITMQ_DIST_PORT": str(dist_port),
+        "RABBITMQ_MNESIA_BASE": str(home / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(home / "log"),
+        "RABBITMQ_PLUGINS_EXPAND_DIR": str(home / "plugins-expand"),
+        "RABBITMQ_CONFIG_FILE": str(home / "rabbitmq.conf"),
+        "RABBITMQ_ADVANCED_CONFIG_FILE": str(home / "advanced.config"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(home / "enabled_plugins"),
+        "RABBITMQ_PID_FILE": str(home / "rabbitmq.pid"),
+        "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+    }
+    with open(home / "server.out", "wb") as out:
+        process = subprocess.Popen(
+            [server],
+            env=env,
+            cwd=home,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    (home / "beam.pid").write_text(str(process.pid))  # the script execs erl: the node
+    return {
+        "FENCED_RABBITMQ_URL": f"amqp://guest:guest@127.0.0.1:{port}//",
+        "FENCED_RABBITMQ_DIR": str(home),
+    }
+
+
+def wait_rabbitmq(env: dict[str, str], timeout: float = 60.0) -> None:
+    """Wait until the node of :func:`spawn_rabbitmq` completes an AMQP handshake."""
+    import amqp
+
+    home = Path(env["FENCED_RABBITMQ_DIR"])
+    port = json.loads((home / "node.json").read_text())["port"]
+    pid = int((home / "beam.pid").read_text())
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = amqp.Connection(f"127.0.0.1:{port}", connect_timeout=1)
+        try:
+            connection.connect()
+            connection.close()
+            return
+        except (OSError, amqp.exceptions.AMQPError):
+            pass
+        if not _alive(pid) or time.monotonic() > deadline:
+            log = (home / "server.out").read_text(errors="replace")[-3000:]
+            sys.exit(f"RabbitMQ did not accept AMQP connections on port {port}:\n{log}")
+        time.sleep(0.1)
+
+
+def start_rabbitmq(base: Path) -> dict[str, str]:
+    """A throwaway RabbitMQ node (:func:`spawn_rabbitmq`), ready for AMQP connections."""
+    env = spawn_rabbitmq(base)
+    wait_rabbitmq(env)
+    return env
+
+
+def rabbitmqctl(home: str | Path, *args: str) -> str:
+    """Run ``rabbitmqctl`` against the node in ``home`` (``FENCED_RABBITMQ_DIR``)."""
+    home = Path(home)
+    _, ctl = rabbitmq_scripts()
+    node = json.loads((home / "node.json").read_text())["name"]
+    run = subprocess.run(
+        [ctl, "-n", node, *args], env=_rabbitmq_env(home), capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed:\n{run.stdout}{run.stderr}")
+    return run.stdout
+
+
+def set_consumer_timeout(home: str | Path, milliseconds: int) -> None:
+    """Set the node's ``consumer_timeout``: channels opened from now on use it."""
+    rabbitmqctl(home, "eval", f"application:set_env(rabbit, consumer_timeout, {milliseconds}).")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_rabbitmq(home: Path) -> None:
+    """Stop the node in ``home`` (SIGTERM: a clean shutdown; SIGKILL after 30 s), then
+    its epmd."""
+    if not (home / "beam.pid").exists():
+        return
+    pid = int((home / "beam.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 15)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    subprocess.run(
+        ["epmd", "-kill"],
+        env=_rabbitmq_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
+
+
 def restart_redis_empty(url: str, base: Path, down_for: float = 0.0) -> None:
     """Stop the Redis at ``url`` without saving, wait ``down_for`` seconds, start it again
     on the same port (``base``: its folder): every message it held is gone."""
@@ -326,6 +519,7 @@ def _port_open(port: int) -> bool:
 
 
 def stop(base: Path) -> None:
+    stop_rabbitmq(base / "rabbitmq")
     data = base / "pgdata"
     if data.exists():
         run_as_postgres(
@@ -360,7 +554,9 @@ def main(argv: list[str]) -> None:
         return
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)
-    env = {**start_postgres(base), **start_redis(base), **start_mariadb(base)}
+    rabbitmq = spawn_rabbitmq(base)  # it boots (~7 s) while the others start
+    env = {**start_postgres(base), **start_redis(base), **start_mariadb(base), **rabbitmq}
+    wait_rabbitmq(rabbitmq)
     for name, value in env.items():
         print(f"export {name}='{value}'")
 

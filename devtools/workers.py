@@ -14,6 +14,16 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
+#: the test brokers, by name: the variable that holds each one's URL (devtools.services)
+BROKER_URLS = {"redis": "FENCED_REDIS_URL", "rabbitmq": "FENCED_RABBITMQ_URL"}
+
+
+def broker_url(broker: str | None = None) -> str:
+    """The URL of test broker ``broker`` (``"redis"`` or ``"rabbitmq"``); by default the one
+    the current test runs on (``FENCED_TEST_BROKER``, set by the ``broker`` fixture), else
+    Redis."""
+    name = broker or os.environ.get("FENCED_TEST_BROKER") or "redis"
+    return os.environ[BROKER_URLS[name]]
 
 
 def setup_django() -> None:
@@ -51,18 +61,21 @@ class Worker:
         env: dict[str, str] | None = None,
         log_dir: Path,
         extra_args: Sequence[str] = (),
+        broker: str | None = None,
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = log_dir / f"{self.name}.log"
+        env = env or {}
         worker_env = {
             **os.environ,
             "FENCED_USE_TEST_DATABASES": "1",
             "FENCED_DB": database if database in ("postgres", "mariadb") else "sqlite",
-            "FENCED_BROKER_URL": os.environ["FENCED_REDIS_URL"],
+            # the test's broker, unless the environment given names one
+            "FENCED_BROKER_URL": env.get("FENCED_BROKER_URL") or broker_url(broker),
             "FENCED_WORKER_NAME": name,
             "DJANGO_SETTINGS_MODULE": "testproject.settings",
             "PYTHONPATH": str(ROOT),
-            **(env or {}),
+            **env,
         }
         cmd = [
             sys.executable,
@@ -148,12 +161,49 @@ def configure(app: Any, **settings: Any) -> None:
 
 
 def send(name: str, *, queue: str, args: Any = (), kwargs: Any = None, **options: Any) -> str:
-    """Send task ``name`` to Redis; return its task id."""
-    from testproject.celery import app
-
-    configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
-    result = app.send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
+    """Send task ``name`` to the current test's broker (:func:`broker_url`); return its id."""
+    url = broker_url()
+    if url not in _senders:
+        _senders[url] = broker_app(url)
+    result = _senders[url].send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
     return str(result.id)
+
+
+#: one sending app per broker URL, kept for the test session (as a project keeps its app)
+_senders: dict[str, Any] = {}
+
+
+def queued(broker: str, queue: str) -> int:
+    """How many messages wait in ``queue`` of test broker ``broker`` (none taken yet)."""
+    url = broker_url(broker)
+    if broker == "redis":
+        import redis
+
+        return int(redis.Redis.from_url(url).llen(queue))
+    from kombu import Connection
+
+    with Connection(url) as connection:
+        try:
+            _, count, _ = connection.default_channel.queue_declare(queue, passive=True)
+        except connection.channel_errors:  # no such queue (yet)
+            return 0
+        return int(count)
+
+
+def lose_queued(broker: str, queues: Sequence[str]) -> None:
+    """Lose the messages ``broker`` holds: Redis restarted empty (every queue, and the
+    unacknowledged messages too), RabbitMQ's ``queues`` purged (what waits in them)."""
+    url = broker_url(broker)
+    if broker == "redis":
+        import redis
+
+        redis.Redis.from_url(url).flushall()
+        return
+    from kombu import Connection
+
+    with Connection(url) as connection:
+        for queue in queues:
+            connection.default_channel.queue_purge(queue)
 
 
 def filesystem_env(folder: Path) -> dict[str, str]:

@@ -162,6 +162,11 @@ if CELERY_BROKER_URL.startswith("filesystem"):
         "control_folder": _BROKER_DIR + "-control",
         "store_processed": False,
     }
+elif CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
+    # RabbitMQ redelivers an unacknowledged message when the channel that holds it closes:
+    # the worker's connection lost (killed, its heartbeats missed) or the broker's
+    # consumer_timeout expired (a node setting: devtools.services, the tests shorten it)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {}
 else:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Redis redelivers an unacked message after the visibility timeout; the tests

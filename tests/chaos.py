@@ -1,21 +1,29 @@
-"""Chaos runner: real workers on Redis + PostgreSQL, random pauses and kills, then a checker.
+"""Chaos runner: real workers on Redis or RabbitMQ + PostgreSQL, random pauses and kills,
+then a checker.
 
     python -m tests.chaos --trials 500
+    python -m tests.chaos --trials 500 --broker rabbitmq
 
 Starts ``--workers`` `celery worker` processes (prefork and threads pools, alternating) on a
-fresh PostgreSQL database and Redis with a short visibility timeout, sends ``--trials`` jobs
+fresh PostgreSQL database and Redis with a short visibility timeout (``--broker rabbitmq``:
+RabbitMQ with as short a ``consumer_timeout``), sends ``--trials`` jobs
 (``tests/chaos_workload.py``: single fenced tasks, each applying one effect to an append-only
 ledger, mixed with chains, chords, ``link``/``link_error`` callbacks, time limits,
 ``track_started``, ``expires`` and two jobs on one key; the tasks are in
 ``testproject/demo/chaos_tasks.py``) and meanwhile stops workers (SIGSTOP, for random times
-around the ttl) and resumes them, SIGKILLs workers and starts replacements, and restarts
-PostgreSQL once. Jobs complete through Redis redelivery and, when the package has it, the
-reclaimer (``celery_fenced.reclaim.reclaim_expired``), called here in a loop. Then
-:func:`check` reads the ledger, the trace, the results and the lease events and verifies the
-invariants; the summary table is printed and the exit status is 1 when any invariant failed.
+around the ttl) and resumes them, SIGKILLs workers and starts replacements, restarts
+PostgreSQL once and hits the broker once: Redis restarted empty (every queued message
+lost); RabbitMQ with every connection closed (``rabbitmqctl close_all_connections``: each
+worker's unacknowledged messages requeued at once while their executions still run, and
+the workers reconnect). Jobs complete through the broker's redelivery and, when the
+package has it, the reclaimer (``celery_fenced.reclaim.reclaim_expired``), called here in
+a loop. Then :func:`check` reads the ledger, the trace, the results and the lease events
+and verifies the invariants; the summary table is printed and the exit status is 1 when any
+invariant failed.
 
-Uses the servers named by ``FENCED_PG_*``/``FENCED_REDIS_URL`` (``devtools.services``), else
-starts throwaway ones. The PostgreSQL restart needs ``FENCED_PG_DATA``, ``FENCED_PG_BINDIR``
+Uses the servers named by ``FENCED_PG_*`` and ``FENCED_REDIS_URL`` (or
+``FENCED_RABBITMQ_URL`` and ``FENCED_RABBITMQ_DIR``) (``devtools.services``), else starts
+throwaway ones. The PostgreSQL restart needs ``FENCED_PG_DATA``, ``FENCED_PG_BINDIR``
 and ``FENCED_PG_OPTIONS``. See docs/reliability.md.
 """
 
@@ -57,7 +65,9 @@ class Options:
     trials: int = 40
     workers: int = 4
     ttl: float = 2.0
+    #: Redis's visibility timeout; on RabbitMQ, the node's consumer_timeout (seconds)
     visibility: float = 4.0
+    broker: str = "redis"  # or "rabbitmq"
     rate: float = 2.0  # jobs sent per second
     work: tuple[float, float] = (0.05, 1.2)  # seconds of work per job
     gap: tuple[float, float] = (0.4, 1.6)  # seconds between chaos events
@@ -106,6 +116,9 @@ class Events:
     #: started again, as a supervisor (systemd) would
     exits: int = 0
     redis_restart_error: str = ""
+    #: RabbitMQ: every connection closed by the broker (unacknowledged messages requeued)
+    rabbitmq_closes: int = 0
+    rabbitmq_close_times: list[dt.datetime] = field(default_factory=list)
     #: jobs whose sending the broker refused (recorded by the outbox, sent by a sweep)
     unsent: int = 0
     outbox_actions: Counter[str] = field(default_factory=Counter)
@@ -126,20 +139,45 @@ class Slot:
 
 
 # -- the environment -------------------------------------------------------------------
+BROKER_VARIABLES = {
+    "redis": ("FENCED_REDIS_URL",),
+    "rabbitmq": ("FENCED_RABBITMQ_URL", "FENCED_RABBITMQ_DIR"),
+}
+
+
 @contextlib.contextmanager
-def servers(base: Path) -> Iterator[None]:
-    """PostgreSQL and Redis: the ones in the environment, or throwaway ones in ``base``."""
-    if os.environ.get("FENCED_PG_PORT") and os.environ.get("FENCED_REDIS_URL"):
+def servers(base: Path, broker: str = "redis") -> Iterator[None]:
+    """PostgreSQL and the broker: the ones in the environment, or throwaway ones in
+    ``base``."""
+    if os.environ.get("FENCED_PG_PORT") and all(
+        os.environ.get(v) for v in BROKER_VARIABLES[broker]
+    ):
         yield
         return
     folder = base / "servers"
     folder.mkdir(parents=True)
     folder.chmod(0o755)
     try:
-        os.environ.update({**services.start_postgres(folder), **services.start_redis(folder)})
+        start = services.start_redis if broker == "redis" else services.start_rabbitmq
+        os.environ.update({**services.start_postgres(folder), **start(folder)})
         yield
     finally:
         services.stop(folder)
+
+
+@contextlib.contextmanager
+def consumer_timeout(options: Options) -> Iterator[None]:
+    """On RabbitMQ, the node's ``consumer_timeout`` is ``--visibility`` for the run (the
+    workers' channels open after this), as Redis's visibility timeout is; restored after."""
+    if options.broker != "rabbitmq":
+        yield
+        return
+    home = os.environ["FENCED_RABBITMQ_DIR"]
+    services.set_consumer_timeout(home, int(options.visibility * 1000))
+    try:
+        yield
+    finally:
+        services.set_consumer_timeout(home, services.RABBITMQ_CONSUMER_TIMEOUT_MS)
 
 
 def redis_dir(base: Path) -> Path | None:
@@ -351,11 +389,12 @@ class Runner:
                 self._restart.start()
             if (
                 options.broker_restart
-                and self.redis_dir is not None
+                and (options.broker == "rabbitmq" or self.redis_dir is not None)
                 and self._broker_restart is None
                 and now >= broker_restart_at
             ):
-                self._broker_restart = threading.Thread(target=self.restart_redis, daemon=True)
+                fault = self.restart_redis if options.broker == "redis" else self.close_connections
+                self._broker_restart = threading.Thread(target=fault, daemon=True)
                 self._broker_restart.start()
             self.housekeeping(now)
             if (
@@ -493,6 +532,24 @@ class Runner:
         self.events.redis_restarts += 1
         self.events.redis_restart_times.append(dt.datetime.now())
         self.note("Redis is back, empty")
+
+    def close_connections(self) -> None:
+        """RabbitMQ closes every client connection (what a network partition, a load
+        balancer's reset or a node's failover does): each worker's unacknowledged messages
+        are requeued at once and delivered again, while the executions that hold them
+        still run; the workers reconnect."""
+        self.note("RabbitMQ: closing every connection")
+        try:
+            services.rabbitmqctl(
+                os.environ["FENCED_RABBITMQ_DIR"], "close_all_connections", "chaos"
+            )
+        except Exception as exc:
+            self.events.redis_restart_error = repr(exc)
+            self.note(f"closing RabbitMQ's connections failed: {exc!r}")
+            return
+        self.events.rabbitmq_closes += 1
+        self.events.rabbitmq_close_times.append(dt.datetime.now())
+        self.note("RabbitMQ closed every connection")
 
     # -- monitoring and reclaim ------------------------------------------------------
     def _db_time(self) -> Any:
@@ -732,7 +789,7 @@ def _lost_in_broker(job: Job, task_id: str, key: str, result: Any, events: Event
     Redis restarted empty."""
     if key or result is not None or task_id in events.receipts or job.sent_at is None:
         return ""
-    faults = [*events.kill_times, *events.redis_restart_times]
+    faults = [*events.kill_times, *events.redis_restart_times, *events.rabbitmq_close_times]
     return LOST_IN_BROKER if any(k >= job.sent_at for k in faults) else ""
 
 
@@ -938,7 +995,16 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("pauses (main process only)", events.main_pauses),
         ("kills (and restarts)", events.kills),
         ("PostgreSQL restarts", events.pg_restarts),
-        ("Redis restarts, empty (every queued message lost)", events.redis_restarts),
+        *(
+            [("Redis restarts, empty (every queued message lost)", events.redis_restarts)]
+            if options.broker == "redis"
+            else [
+                (
+                    "RabbitMQ: every connection closed (unacked messages requeued)",
+                    events.rabbitmq_closes,
+                )
+            ]
+        ),
         ("workers that exited on their own (started again)", events.exits),
         ("publishes that raised (the job is gone)", len(events.refused)),
         (
@@ -1033,7 +1099,16 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     parser.add_argument("--ttl", type=float, default=2.0, help="lease ttl, seconds (default 2)")
     parser.add_argument(
-        "--visibility", type=float, default=4.0, help="Redis visibility timeout (default 4)"
+        "--visibility",
+        type=float,
+        default=4.0,
+        help="Redis's visibility timeout; RabbitMQ's consumer_timeout (seconds, default 4)",
+    )
+    parser.add_argument(
+        "--broker",
+        choices=["redis", "rabbitmq"],
+        default="redis",
+        help="the broker the workers run on (default redis)",
     )
     parser.add_argument("--rate", type=float, default=3.0, help="jobs sent per second")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
@@ -1069,6 +1144,7 @@ def parse(argv: list[str]) -> Options:
         workers=args.workers,
         ttl=args.ttl,
         visibility=args.visibility,
+        broker=args.broker,
         rate=args.rate,
         seed=args.seed if args.seed is not None else random.randrange(1 << 30),
         pg_restart=not args.no_pg_restart,
@@ -1090,19 +1166,24 @@ def main(argv: list[str]) -> int:
     log_dir = options.log_dir or base / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"chaos: seed {options.seed}, worker logs in {log_dir}", flush=True)
-    with servers(base):
+    with servers(base, options.broker):
         database = f"chaos_{uuid.uuid4().hex[:10]}"
         _admin(f'CREATE DATABASE "{database}"')
-        broker = os.environ["FENCED_REDIS_URL"].rsplit("/", 1)[0] + "/1"
+        if options.broker == "redis":
+            broker = os.environ["FENCED_REDIS_URL"].rsplit("/", 1)[0] + "/1"
+        else:  # the run's queue is its own (Runner.queue)
+            broker = os.environ["FENCED_RABBITMQ_URL"]
         runner = None
         try:
             env = setup_django(options, database, broker)
-            import redis
+            if options.broker == "redis":
+                import redis
 
-            redis.Redis.from_url(broker).flushdb()
+                redis.Redis.from_url(broker).flushdb()
             runner = Runner(options, env, log_dir, redis_dir(base))
             try:
-                runner.run()
+                with consumer_timeout(options):
+                    runner.run()
             finally:
                 runner.stop()
             stopped_at = runner._db_time()

@@ -3,7 +3,7 @@
 The tests are in three layers: ``unit`` (no database, broker or process: runs anywhere),
 ``integration`` (the real databases, SQLite and PostgreSQL, through Celery's tracer and the
 real backend; no worker process) and ``acceptance`` (real ``celery worker`` processes on
-Redis, the browser, the wheel, the demo, the chaos runner).
+Redis and RabbitMQ, the browser, the wheel, the demo, the chaos runner).
 """
 
 from __future__ import annotations
@@ -134,18 +134,58 @@ def child_env() -> dict[str, str]:
     }
 
 
+#: the brokers the real-worker tests run on (``devtools.workers.BROKER_URLS``)
+BROKERS = ["redis", "rabbitmq"]
+
+
+@pytest.fixture(params=BROKERS)
+def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The broker of the test's workers and of ``devtools.workers.send``; the test runs
+    once per broker (RabbitMQ's cases with PostgreSQL only: ``pytest_collection_modifyitems``)."""
+    name = str(request.param)
+    if not os.environ.get(f"FENCED_{name.upper()}_URL"):
+        raise pytest.UsageError(
+            f"{name} is not configured (FENCED_{name.upper()}_URL is unset): run the suite "
+            "with `bash tests/run.sh`, which starts a throwaway server."
+        )
+    monkeypatch.setenv("FENCED_TEST_BROKER", name)
+    return name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run a real-worker test on RabbitMQ with PostgreSQL only (what the broker does does
+    not depend on the database; every database runs on Redis), and a test marked
+    ``broker("redis")`` — about that broker's own mechanism — on that broker only."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        given = params.params if params is not None else {}
+        broker = given.get("broker")
+        only = item.get_closest_marker("broker")
+        database = given.get("alias", given.get("alias_with_mariadb"))
+        if broker is not None and (
+            (only is not None and broker not in only.args)
+            or (broker == "rabbitmq" and database not in (None, "postgres"))
+        ):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture
 def start_worker(
-    alias: str, tmp_path: Any, request: pytest.FixtureRequest
+    alias: str, broker: str, tmp_path: Any, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Any]]:
-    """Start real `celery worker` processes on ``alias``'s database; stopped afterwards."""
-    import redis
-
+    """Start real `celery worker` processes on ``alias``'s database and ``broker``; stopped
+    afterwards."""
     from devtools.workers import Worker
 
-    redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushdb()
-    started: list[Worker] = []
     queue = f"q-{request.node.name}"
+    empty_broker(broker, queue)
+    started: list[Worker] = []
 
     def start(name: str, **kwargs: Any) -> Worker:
         worker = Worker(name, database=alias, queue=queue, log_dir=tmp_path, **kwargs)
@@ -154,12 +194,52 @@ def start_worker(
         return worker
 
     start.queue = queue  # type: ignore[attr-defined]
+    start.broker = broker  # type: ignore[attr-defined]
     yield start
     for worker in started:
         worker.stop()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         for worker in started:
             print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+
+
+@pytest.fixture
+def redelivery_after(broker: str) -> Iterator[Callable[[float], dict[str, str]]]:
+    """``redelivery_after(seconds)``: the broker redelivers a message that a worker
+    started after this holds unacknowledged for ``seconds``. Redis: its visibility timeout
+    (returns the workers' environment); RabbitMQ: the node's ``consumer_timeout`` (it
+    closes the holder's channel), for the channels opened during this test."""
+    from devtools import services
+
+    changed = []
+
+    def after(seconds: float) -> dict[str, str]:
+        if broker == "redis":
+            return {"FENCED_VISIBILITY_TIMEOUT": str(seconds)}
+        services.set_consumer_timeout(os.environ["FENCED_RABBITMQ_DIR"], int(seconds * 1000))
+        changed.append(seconds)
+        return {}
+
+    yield after
+    if changed:
+        services.set_consumer_timeout(
+            os.environ["FENCED_RABBITMQ_DIR"], services.RABBITMQ_CONSUMER_TIMEOUT_MS
+        )
+
+
+def empty_broker(broker: str, queue: str) -> None:
+    """Nothing left from an earlier run: Redis emptied; RabbitMQ's queue ``queue`` deleted."""
+    from devtools.workers import broker_url
+
+    if broker == "redis":
+        import redis
+
+        redis.Redis.from_url(broker_url(broker)).flushdb()
+        return
+    from kombu import Connection
+
+    with Connection(broker_url(broker)) as connection:
+        connection.default_channel.queue_delete(queue)
 
 
 @pytest.hookimpl(wrapper=True)

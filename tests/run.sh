@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: creates .venv, installs the package with the
 # extras it tests and the test, lint and docs dependency groups, starts throwaway
-# PostgreSQL, MariaDB and Redis servers (installing them with apt when missing and root), runs
+# PostgreSQL, MariaDB, Redis and RabbitMQ servers (installing them with apt when missing and
+# root; they export FENCED_PG_*, FENCED_MARIADB_*, FENCED_REDIS_URL, FENCED_RABBITMQ_URL), runs
 # ruff, mypy, pytest and the version matrix's core (nox: every Python x Django), and
 # stops the servers. Extra arguments go to pytest, e.g. `bash tests/run.sh -k store`
 # (the matrix then does not run).
@@ -36,7 +37,7 @@ echo "== mypy --strict"
 echo "== docs (Sphinx, warnings as errors)"
 "$VENV/bin/python" -m sphinx -W -q -b html docs "$RUN_DIR/docs-html"
 echo "== pytest (SQLite, PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, MariaDB on" \
-    "127.0.0.1:$FENCED_MARIADB_PORT, Redis $FENCED_REDIS_URL)"
+    "127.0.0.1:$FENCED_MARIADB_PORT, Redis $FENCED_REDIS_URL, RabbitMQ $FENCED_RABBITMQ_URL)"
 "$VENV/bin/python" -m pytest "$@"
 if [ "$#" -eq 0 ]; then
     echo "== the version matrix's core: every Python x Django (noxfile.py)"

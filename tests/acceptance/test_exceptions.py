@@ -12,7 +12,7 @@ from celery.backends.base import BaseBackend
 
 from celery_fenced import LeaseBusy, LeaseLost, StaleToken, acquire
 from celery_fenced.exceptions import AlreadyCompleted, FencedError
-from devtools.workers import broker_app, send
+from devtools.workers import broker_app, broker_url, send
 
 SERIALIZERS = ["json", "pickle"]
 EXPIRES = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
@@ -69,7 +69,6 @@ INCLUDE = ["--include", "testproject.demo.error_tasks"]
 def test_exceptions__async_result_get_raises_them_from_a_real_worker(
     alias: str, lease_db: str, start_worker: Any, serializer: str
 ) -> None:
-    import os
 
     start_worker("a", env={"FENCED_RESULT_SERIALIZER": serializer}, extra_args=INCLUDE)
     held = acquire("errors:busy", ttl=300, owner="holder", using=alias)
@@ -77,7 +76,7 @@ def test_exceptions__async_result_get_raises_them_from_a_real_worker(
         kind: send(TASK, queue=start_worker.queue, kwargs={"kind": kind})
         for kind in ("stale", "busy", "lost")
     }
-    app = broker_app(os.environ["FENCED_REDIS_URL"])
+    app = broker_app(broker_url())
     app.conf.result_serializer = serializer  # the database backend decodes with its own
     app.conf.result_accept_content = SERIALIZERS
     try:

@@ -1,19 +1,17 @@
-"""The outbox (issue 17) with real `celery worker` processes on Redis.
+"""The outbox (issue 17) with real `celery worker` processes on Redis and RabbitMQ.
 
 Jobs are published through the fenced task's own ``apply_async`` in this process (the
-publisher: a web request, say); the workers take them from Redis.
+publisher: a web request, say); the workers take them from the broker.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
 import socket
 import time
 from typing import Any
 
 import pytest
-import redis
 from celery import chain, chord
 from django.db import transaction
 from django.utils import timezone
@@ -21,7 +19,7 @@ from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced.models import Lease, PendingJob
 from celery_fenced.outbox import resend_pending
-from devtools.workers import broker_app, wait_for
+from devtools.workers import broker_app, broker_url, lose_queued, queued, wait_for
 from tests.acceptance.test_task_workers import result_of
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_outbox import rolled_back
@@ -51,9 +49,9 @@ def publishing_app(broker_url: str) -> Any:
 
 
 @pytest.fixture
-def publisher(lease_db: str) -> Any:
-    """The test project's app, publishing to the suite's Redis; leases on ``lease_db``."""
-    app = publishing_app(os.environ["FENCED_REDIS_URL"])
+def publisher(lease_db: str, broker: str) -> Any:
+    """The test project's app, publishing to the test's broker; leases on ``lease_db``."""
+    app = publishing_app(broker_url(broker))
     yield app
     app.close()
 
@@ -90,13 +88,14 @@ def test_published_in_a_rolled_back_transaction__never_runs(
     assert not PendingJob.objects.using(lease_db).exists()  # the kept one's ended at its grant
 
 
-def test_published_while_redis_is_down__runs_once_when_it_is_back(
-    lease_db: str, start_worker: Any, publisher: Any
+def test_published_while_the_broker_is_down__runs_once_when_it_is_back(
+    lease_db: str, start_worker: Any, publisher: Any, broker: str
 ) -> None:
     """The caller gets its result handle, no error; the reclaimer sends the job once the
     broker answers again, and it runs once."""
     start_worker("a")
-    down = publishing_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    nowhere = {"redis": "redis://127.0.0.1:{}/0", "rabbitmq": "amqp://guest:guest@127.0.0.1:{}//"}
+    down = publishing_app(nowhere[broker].format(free_port()))  # nothing listens there
     try:
         with transaction.atomic(using=lease_db):
             result = down.tasks[PROBE].apply_async(
@@ -107,19 +106,19 @@ def test_published_while_redis_is_down__runs_once_when_it_is_back(
         assert [o.action for o in resend_pending(down)] == ["failed"]  # still down
     finally:
         down.close()
-    assert [o.action for o in resend_pending(publisher)] == ["resent"]  # Redis is back
+    assert [o.action for o in resend_pending(publisher)] == ["resent"]  # the broker is back
     assert finished(lease_db, result.id) == "SUCCESS"
     lease = Lease.objects.using(lease_db).get(task_id=result.id)
     assert lease.token == 1  # granted once
     assert not PendingJob.objects.using(lease_db).exists()
 
 
-def test_redis_emptied_mid_run__every_job_completes_exactly_once(
-    lease_db: str, start_worker: Any, publisher: Any, settings: Any
+def test_broker_emptied_mid_run__every_job_completes_exactly_once(
+    lease_db: str, start_worker: Any, publisher: Any, settings: Any, broker: str
 ) -> None:
-    """Redis restarted without persistence while jobs are queued and running: every
-    queued message is gone. The reclaimer sends each job that no worker started, and
-    each completes once (one grant, one result)."""
+    """The broker loses the queued messages while jobs are queued and running (Redis
+    restarted without persistence; RabbitMQ's queue purged). The reclaimer sends each job
+    that no worker started, and each completes once (one grant, one result)."""
     settings.CELERY_FENCED_OUTBOX_RESEND_AFTER = 1.0
     start_worker("a")
     probe = publisher.tasks[PROBE]
@@ -129,7 +128,7 @@ def test_redis_emptied_mid_run__every_job_completes_exactly_once(
     ]
     results = TaskResult.objects.using(lease_db).filter(task_id__in=ids, status="SUCCESS")
     wait_for(lambda: results.count() >= 2, 90, "two jobs to finish")
-    redis.Redis.from_url(os.environ["FENCED_REDIS_URL"]).flushall()  # a restart, empty
+    lose_queued(broker, [start_worker.queue])
     lost = PendingJob.objects.using(lease_db).count()
 
     def all_done() -> bool:
@@ -144,27 +143,27 @@ def test_redis_emptied_mid_run__every_job_completes_exactly_once(
     assert not PendingJob.objects.using(lease_db).filter(task_id__in=ids).exists()
 
 
-def test_plain_callback_lost_with_redis__sent_again_and_runs_once(
-    lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
+def test_plain_callback_lost_in_the_broker__sent_again_and_runs_once(
+    lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any, broker: str
 ) -> None:
-    """A fenced job's plain ``link`` callback is sent on its success and lost when Redis
-    restarts empty before any worker takes it: its outbox row still stands (it ends when a
-    worker starts the job), so the reclaimer sends it again and it runs once."""
+    """A fenced job's plain ``link`` callback is sent on its success and lost by the broker
+    (Redis restarted empty, RabbitMQ's queue purged) before any worker takes it: its outbox
+    row still stands (it ends when a worker starts the job), so the reclaimer sends it
+    again and it runs once."""
     from devtools.workers import Worker
     from testproject.demo.models import LedgerEntry
 
     start_worker("a")
-    later = f"{start_worker.queue}-callbacks"  # no worker takes it yet: it sits in Redis
+    later = f"{start_worker.queue}-callbacks"  # no worker takes it yet: it sits queued
     callback = publisher.tasks["testproject.demo.tasks.apply_effect"].si("lost-cb", "applied")
     result = publisher.tasks[PROBE].apply_async(
         kwargs={"marker": "parent"}, queue=start_worker.queue, link=callback.set(queue=later)
     )
     assert finished(lease_db, result.id) == "SUCCESS"
-    client = redis.Redis.from_url(os.environ["FENCED_REDIS_URL"])
-    wait_for(lambda: client.llen(later) == 1, 30, "the callback to be queued")
+    wait_for(lambda: queued(broker, later) == 1, 30, "the callback to be queued")
     (row,) = PendingJob.objects.using(lease_db).all()  # sent, not started: it stands
     assert row.task_name == "testproject.demo.tasks.apply_effect"
-    client.flushall()  # a restart, empty: the callback's message is gone
+    lose_queued(broker, [later])  # the callback's message is gone
     assert [o.action for o in resend_pending(publisher)] == []  # not due yet
     PendingJob.objects.using(lease_db).update(resend_at=row.published_at)
     assert [o.action for o in resend_pending(publisher)] == ["resent"]

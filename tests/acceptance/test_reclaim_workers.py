@@ -1,9 +1,12 @@
-"""Reclaim with real `celery worker` processes, on the filesystem broker and on Redis.
+"""Reclaim with real `celery worker` processes, on the filesystem broker, Redis and
+RabbitMQ.
 
-Neither broker gives the job to another worker in time: the filesystem transport never
-while the holder lives (and loses the message with a worker killed whole), Redis only after
-its visibility timeout (an hour here). The reclaimer, swept from the test process, sends
-the job again; the other worker reclaims the lease with the next token and completes it.
+No broker gives the job to another worker in time: the filesystem transport never while
+the holder lives (and loses the message with a worker killed whole), Redis only after its
+visibility timeout (an hour here), RabbitMQ not while the stopped holder's connection stands
+(a killed one's it redelivers at once: test_rabbitmq_workers.py). The reclaimer, swept from
+the test process, sends the job again; the other worker reclaims the lease with the next
+token and completes it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ PAIRS = pytest.mark.parametrize(
     ids=["sqlite-filesystem", "postgres-redis", "mariadb-redis"],
     indirect=["broker"],
 )
+#: and RabbitMQ, for a stopped holder (its connection stands: nothing is redelivered)
+PAIRS_AND_RABBITMQ = pytest.mark.parametrize(
+    ("alias", "broker"),
+    [
+        ("default", "filesystem"),
+        ("postgres", "redis"),
+        ("mariadb", "redis"),
+        ("postgres", "rabbitmq"),
+    ],
+    ids=["sqlite-filesystem", "postgres-redis", "mariadb-redis", "postgres-rabbitmq"],
+    indirect=["broker"],
+)
 
 
 @dataclass
@@ -60,12 +75,15 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
     if request.param == "filesystem":
         folder = tmp_path / "broker"
         broker = Broker("filesystem", filesystem_env(folder), broker_app("filesystem://", folder))
+    elif request.param == "rabbitmq":  # the queue is the test's own (``workers``)
+        url = os.environ["FENCED_RABBITMQ_URL"]
+        broker = Broker("rabbitmq", {"FENCED_BROKER_URL": url}, broker_app(url))
     else:
         import redis
 
         url = os.environ["FENCED_REDIS_URL"]
         redis.Redis.from_url(url).flushdb()
-        broker = Broker("redis", {}, broker_app(url))
+        broker = Broker("redis", {"FENCED_BROKER_URL": url}, broker_app(url))
     yield broker
     broker.app.close()
 
@@ -195,7 +213,7 @@ def test_sigkill_whole_worker__the_other_worker_completes_the_job(
     # reclaimer, not Redis's redelivery, sent it (the ``resent`` event) — that is the claim
 
 
-@PAIRS
+@PAIRS_AND_RABBITMQ
 def test_sigstop_holder__reclaimed_completed_by_the_other_and_fenced_after_sigcont(
     alias: str, broker: Broker, workers: Any
 ) -> None:
@@ -225,7 +243,7 @@ def test_sigstop_holder__reclaimed_completed_by_the_other_and_fenced_after_sigco
     assert Lease.objects.using(alias).get(key=lease.key).token == t + 1
 
 
-@PAIRS
+@PAIRS_AND_RABBITMQ
 def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
     alias: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
-from devtools.workers import configure, send, wait_for
+from devtools.workers import broker_url, configure, send, wait_for
 from tests.conftest import WITH_MARIADB
 
 pytestmark = [
@@ -194,11 +194,12 @@ def test_sigkill__lease_expires_and_next_grant_is_token_plus_one(
 
 
 def test_completed_duplicate__redelivered_message_does_not_run_again(
-    alias: str, start_worker: Any
+    alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:
     """A's pool child completes the job while A's main process is stopped and cannot ack:
-    Redis redelivers the message to B, which must not run the body a second time."""
-    redelivery = {"FENCED_VISIBILITY_TIMEOUT": "3"}
+    the broker redelivers the message to B (Redis's visibility timeout, RabbitMQ's
+    consumer_timeout), which must not run the body a second time."""
+    redelivery = redelivery_after(3)
     worker_a = start_worker("a", env=redelivery)
     task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 1.5})
     wait_for(lambda: Lease.objects.using(alias).exists(), 30, "the grant")
@@ -321,11 +322,9 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
     task_id = send(task, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
     lease = wait_for(lambda: Lease.objects.using(alias).first(), 30, "the grant")
     if ending == "revoke_terminate":
-        import os
-
         from testproject.celery import app
 
-        configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
+        configure(app, broker_url=broker_url())
         app.control.revoke(task_id, terminate=True)
     released = wait_for(
         lambda: Lease.objects.using(alias).filter(pk=lease.pk, released_at__isnull=False).first(),
@@ -351,8 +350,12 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
         assert (row.status, "TimeLimitExceeded" in row.result) == ("FAILURE", True)
 
 
+# Redis's visibility timeout redelivers the held countdown messages; RabbitMQ's
+# consumer_timeout would close the channel instead, and Celery stops the worker on that
+# (test_rabbitmq_workers.py has RabbitMQ's redeliveries)
+@pytest.mark.broker("redis")
 def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_redelivery(
-    alias: str, start_worker: Any
+    alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:
     """Issue 14, case 3, as it was seen: ten jobs on one key; each waits with busy retries
     counted down past Redis's visibility timeout, so Redis also redelivers the retry
@@ -362,7 +365,7 @@ def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_re
 
     env = {
         "FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": 5, "key": "one-key"}}),
-        "FENCED_VISIBILITY_TIMEOUT": "4",
+        **redelivery_after(4),
     }
     start_worker("a", env=env, concurrency=2)
     start_worker("b", env=env, concurrency=2)

@@ -1,7 +1,8 @@
-"""DESIGN.md's worked example with real processes: Redis itself redelivers to worker B.
+"""DESIGN.md's worked example with real processes: the broker itself redelivers to B.
 
 Worker A takes ``report:<id>`` with token t and is stopped (SIGSTOP). Its lease expires;
-Redis's visibility timeout hands the unacked message to worker B, which reclaims the lease
+the broker hands the unacked message to worker B (Redis: its visibility timeout; RabbitMQ:
+``consumer_timeout`` closes A's channel), which reclaims the lease
 with token t+1, writes the report and the result, and releases. A is resumed (SIGCONT):
 its renewal fails, and its report write and its result write are both refused.
 """
@@ -35,10 +36,12 @@ def alias(alias_with_mariadb: str) -> str:
 TASK = "testproject.demo.tasks.rebuild_report_short"  # lease_ttl=2
 
 
-def test_worked_example__stale_worker_is_fenced_out(alias: str, start_worker: Any) -> None:
+def test_worked_example__stale_worker_is_fenced_out(
+    alias: str, start_worker: Any, redelivery_after: Any
+) -> None:
     report = Report.objects.using(alias).create(name="q3")
     # every grant and release an event too: the whole story, in order, in the trail
-    redelivery = {"FENCED_VISIBILITY_TIMEOUT": "4", "FENCED_EVENTS": "all"}
+    redelivery = {**redelivery_after(4), "FENCED_EVENTS": "all"}
     worker_a = start_worker("A", env=redelivery)
     task_id = send(TASK, queue=start_worker.queue, args=(report.pk,), kwargs={"seconds": 5})
     key = f"report:{report.pk}"
@@ -46,7 +49,7 @@ def test_worked_example__stale_worker_is_fenced_out(alias: str, start_worker: An
     first = wait_for(lambda: leases.first(), 30, "worker A's grant")
     worker_a.pause()
     worker_b = start_worker("B", env=redelivery)
-    # Redis redelivers the unacked message to B; B reclaims the expired lease
+    # the broker redelivers the unacked message to B; B reclaims the expired lease
     wait_for(
         lambda: TaskResult.objects.using(alias).filter(task_id=task_id, status="SUCCESS").first(),
         90,
