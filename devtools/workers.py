@@ -162,11 +162,19 @@ def configure(app: Any, **settings: Any) -> None:
 
 def send(name: str, *, queue: str, args: Any = (), kwargs: Any = None, **options: Any) -> str:
     """Send task ``name`` to the current test's broker (:func:`broker_url`); return its id."""
+    result = sender().send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
+    return str(result.id)
+
+
+def sender() -> Any:
+    """The Celery app that sends to the current test's broker, and broadcasts there
+    (``sender().control.revoke(...)``). One per broker URL, kept for the session: an app's
+    connection pool keeps the broker it was first made for, whatever ``broker_url`` says
+    afterwards."""
     url = broker_url()
     if url not in _senders:
         _senders[url] = broker_app(url)
-    result = _senders[url].send_task(name, args=args, kwargs=kwargs or {}, queue=queue, **options)
-    return str(result.id)
+    return _senders[url]
 
 
 #: one sending app per broker URL, kept for the test session (as a project keeps its app)

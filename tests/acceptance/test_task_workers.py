@@ -10,7 +10,7 @@ import pytest
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
-from devtools.workers import broker_url, configure, send, wait_for
+from devtools.workers import send, sender, wait_for
 from tests.conftest import WITH_MARIADB
 
 pytestmark = [
@@ -322,10 +322,7 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
     task_id = send(task, queue=start_worker.queue, kwargs={"seconds": 20}, **options)
     lease = wait_for(lambda: Lease.objects.using(alias).first(), 30, "the grant")
     if ending == "revoke_terminate":
-        from testproject.celery import app
-
-        configure(app, broker_url=broker_url())
-        app.control.revoke(task_id, terminate=True)
+        sender().control.revoke(task_id, terminate=True)  # broadcast on the test's broker
     released = wait_for(
         lambda: Lease.objects.using(alias).filter(pk=lease.pk, released_at__isnull=False).first(),
         15,
