@@ -38,7 +38,8 @@ echo "== docs (Sphinx, warnings as errors)"
 "$VENV/bin/python" -m sphinx -W -q -b html docs "$RUN_DIR/docs-html"
 echo "== pytest (SQLite, PostgreSQL on 127.0.0.1:$FENCED_PG_PORT, MariaDB on" \
     "127.0.0.1:$FENCED_MARIADB_PORT, Redis $FENCED_REDIS_URL, RabbitMQ $FENCED_RABBITMQ_URL)"
-"$VENV/bin/python" -m pytest "$@"
+# the slowest tests are listed at the end: where the 30 minutes go
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 if [ "$#" -eq 0 ]; then
     echo "== the version matrix's core: every Python x Django (noxfile.py)"
     "$VENV/bin/nox" --no-color
