@@ -44,7 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,17 +108,16 @@ class Events:
     #: DB clock (None when the database could not be asked)
     stops: list[list[Any]] = field(default_factory=list)
     pg_window_db: tuple[Any, Any] | None = None  # the PostgreSQL restart, DB clock
-    redis_restarts: int = 0
-    redis_restart_times: list[dt.datetime] = field(default_factory=list)
+    #: the broker's fault: Redis restarted empty (every message lost), or RabbitMQ with
+    #: every connection closed (unacknowledged messages requeued)
+    broker_faults: int = 0
+    broker_fault_times: list[dt.datetime] = field(default_factory=list)
+    broker_fault_error: str = ""
     #: jobs whose publish raised (without the outbox: refused by a broker that was down)
     refused: list[str] = field(default_factory=list)
     #: workers that exited on their own (Celery/kombu gave up on the broker) and were
     #: started again, as a supervisor (systemd) would
     exits: int = 0
-    redis_restart_error: str = ""
-    #: RabbitMQ: every connection closed by the broker (unacknowledged messages requeued)
-    rabbitmq_closes: int = 0
-    rabbitmq_close_times: list[dt.datetime] = field(default_factory=list)
     #: jobs whose sending the broker refused (recorded by the outbox, sent by a sweep)
     unsent: int = 0
     outbox_actions: Counter[str] = field(default_factory=Counter)
@@ -139,6 +138,11 @@ class Slot:
 
 
 # -- the environment -------------------------------------------------------------------
+#: the summary's row of the broker's fault, by broker
+BROKER_FAULTS = {
+    "redis": "Redis restarts, empty (every queued message lost)",
+    "rabbitmq": "RabbitMQ: every connection closed (unacked messages requeued)",
+}
 BROKER_VARIABLES = {
     "redis": ("FENCED_REDIS_URL",),
     "rabbitmq": ("FENCED_RABBITMQ_URL", "FENCED_RABBITMQ_DIR"),
@@ -519,37 +523,40 @@ class Runner:
         and starts empty on the same port: every queued and unacknowledged message is
         gone (what a broker restart without persistence does)."""
         down_for = self.rng.uniform(1.0, 3.0)
-        self.note(f"restarting Redis empty (down for {down_for:.1f}s)")
-        try:
-            assert self.redis_dir is not None
-            services.restart_redis_empty(
-                os.environ["FENCED_REDIS_URL"], self.redis_dir, down_for=down_for
-            )
-        except Exception as exc:
-            self.events.redis_restart_error = repr(exc)
-            self.note(f"Redis restart failed: {exc!r}")
-            return
-        self.events.redis_restarts += 1
-        self.events.redis_restart_times.append(dt.datetime.now())
-        self.note("Redis is back, empty")
+        folder = self.redis_dir
+
+        def restart() -> None:
+            assert folder is not None
+            services.restart_redis_empty(os.environ["FENCED_REDIS_URL"], folder, down_for=down_for)
+
+        self._broker_fault(
+            f"restarting Redis empty (down for {down_for:.1f}s)", restart, "Redis is back, empty"
+        )
 
     def close_connections(self) -> None:
         """RabbitMQ closes every client connection (what a network partition, a load
         balancer's reset or a node's failover does): each worker's unacknowledged messages
         are requeued at once and delivered again, while the executions that hold them
         still run; the workers reconnect."""
-        self.note("RabbitMQ: closing every connection")
-        try:
-            services.rabbitmqctl(
+        self._broker_fault(
+            "RabbitMQ: closing every connection",
+            lambda: services.rabbitmqctl(
                 os.environ["FENCED_RABBITMQ_DIR"], "close_all_connections", "chaos"
-            )
+            ),
+            "RabbitMQ closed every connection",
+        )
+
+    def _broker_fault(self, doing: str, fault: Callable[[], object], done: str) -> None:
+        self.note(doing)
+        try:
+            fault()
         except Exception as exc:
-            self.events.redis_restart_error = repr(exc)
-            self.note(f"closing RabbitMQ's connections failed: {exc!r}")
+            self.events.broker_fault_error = repr(exc)
+            self.note(f"{doing} failed: {exc!r}")
             return
-        self.events.rabbitmq_closes += 1
-        self.events.rabbitmq_close_times.append(dt.datetime.now())
-        self.note("RabbitMQ closed every connection")
+        self.events.broker_faults += 1
+        self.events.broker_fault_times.append(dt.datetime.now())
+        self.note(done)
 
     # -- monitoring and reclaim ------------------------------------------------------
     def _db_time(self) -> Any:
@@ -789,7 +796,7 @@ def _lost_in_broker(job: Job, task_id: str, key: str, result: Any, events: Event
     Redis restarted empty."""
     if key or result is not None or task_id in events.receipts or job.sent_at is None:
         return ""
-    faults = [*events.kill_times, *events.redis_restart_times, *events.rabbitmq_close_times]
+    faults = [*events.kill_times, *events.broker_fault_times]
     return LOST_IN_BROKER if any(k >= job.sent_at for k in faults) else ""
 
 
@@ -995,16 +1002,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         ("pauses (main process only)", events.main_pauses),
         ("kills (and restarts)", events.kills),
         ("PostgreSQL restarts", events.pg_restarts),
-        *(
-            [("Redis restarts, empty (every queued message lost)", events.redis_restarts)]
-            if options.broker == "redis"
-            else [
-                (
-                    "RabbitMQ: every connection closed (unacked messages requeued)",
-                    events.rabbitmq_closes,
-                )
-            ]
-        ),
+        (BROKER_FAULTS[options.broker], events.broker_faults),
         ("workers that exited on their own (started again)", events.exits),
         ("publishes that raised (the job is gone)", len(events.refused)),
         (

@@ -75,11 +75,7 @@ def test_chaos__short_form_keeps_every_invariant(tmp_path: Path, broker: str) ->
     rows = data["rows"]
     assert rows["trials (jobs)"] == 40
     assert rows["PostgreSQL restarts"] == 1
-    fault = {
-        "redis": "Redis restarts, empty (every queued message lost)",
-        "rabbitmq": "RabbitMQ: every connection closed (unacked messages requeued)",
-    }
-    assert rows[fault[broker]] == 1
+    assert rows[chaos.BROKER_FAULTS[broker]] == 1
     assert rows["pauses (whole worker)"] + rows["pauses (main process only)"] > 0
     assert rows["kills (and restarts)"] > 0
     assert rows["stale writes accepted"] == 0
