@@ -746,6 +746,8 @@ def test_success_not_settled__database_error_before_the_proof_fails_the_chain(
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(dialect, "release_current", flaky)
+    # the settle rides out the failure as an outage first: its pauses, not 15 s of them
+    monkeypatch.setattr("celery_fenced.outages.PAUSES", (0.01,) * 5)
     deliver(app, message)
     assert status(lease_db, message[0]["id"])[0] == "FAILURE"
     assert status(lease_db, result.id)[0] == "FAILURE"  # the chain's last step
