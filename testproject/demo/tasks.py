@@ -99,7 +99,9 @@ def send_digest(self: Any, name: str, until_file: str = "") -> dict[str, Any]:
     return {"worker": _worker(), "token": self.request.fencing_token, "name": name}
 
 
-@shared_task(bind=True, base=FencedTask, lease_key="tiles", lease_ttl=30, lease_limit=3)
+# a 6 s ttl, renewed while a body runs: a job refused as busy is retried when the first
+# permit would expire, within 6 s (the permits test waited out 30)
+@shared_task(bind=True, base=FencedTask, lease_key="tiles", lease_ttl=6, lease_limit=3)
 def render_tile(self: Any, tile: int, until_file: str = "") -> dict[str, Any]:
     """Up to three tiles at once (``lease_limit=3``, each with a permit of the key "tiles"):
     returns how many bodies were running when it started; it runs until ``until_file``

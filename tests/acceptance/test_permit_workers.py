@@ -43,8 +43,6 @@ def held_permits(alias: str, key: str) -> int:
     )
 
 
-# the database counts the permits; the broker only delivers (a 30 s test: Redis only)
-@pytest.mark.broker("redis")
 def test_limit_3__ten_jobs_on_one_key_across_two_workers__never_more_than_3_bodies(
     alias: str, start_worker: Any, tmp_path: Any
 ) -> None:
