@@ -17,6 +17,8 @@ import pytest
 from django.conf import settings
 from django.db import connections
 
+from devtools.workers import BROKER_URLS
+
 DATABASE_ALIASES = ["default", "postgres"]
 #: MariaDB (the MySQL family): a module opts in with ``databases=WITH_MARIADB`` and an
 #: ``alias`` fixture returning ``alias_with_mariadb`` (its tests then run on all three)
@@ -134,18 +136,15 @@ def child_env() -> dict[str, str]:
     }
 
 
-#: the brokers the real-worker tests run on (``devtools.workers.BROKER_URLS``)
-BROKERS = ["redis", "rabbitmq"]
-
-
-@pytest.fixture(params=BROKERS)
+@pytest.fixture(params=list(BROKER_URLS))
 def broker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The broker of the test's workers and of ``devtools.workers.send``; the test runs
     once per broker (RabbitMQ's cases with PostgreSQL only: ``pytest_collection_modifyitems``)."""
     name = str(request.param)
-    if not os.environ.get(f"FENCED_{name.upper()}_URL"):
+    variable = BROKER_URLS[name]
+    if not os.environ.get(variable):
         raise pytest.UsageError(
-            f"{name} is not configured (FENCED_{name.upper()}_URL is unset): run the suite "
+            f"{name} is not configured ({variable} is unset): run the suite "
             "with `bash tests/run.sh`, which starts a throwaway server."
         )
     monkeypatch.setenv("FENCED_TEST_BROKER", name)
