@@ -29,6 +29,7 @@ from celery_fenced.store.dialects import (
     GrantRequest,
     for_alias,
 )
+from celery_fenced.store.dialects.sqlite import SQLite
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB, wait_until_blocked
 
@@ -87,6 +88,19 @@ def test_acquire__grants_token_one_then_busy(alias: str) -> None:
     assert row.expires_at == lease.expires_at
     assert kinds(alias, "report:1") == [("busy", 1)]  # a grant is not an anomaly
     assert row.release_state == ""
+
+
+@pytest.mark.parametrize("ttl", [30.0, 0.5, 3600.0])
+def test_busy_wait__never_exceeds_the_ttl_on_sqlite(ttl: float) -> None:
+    # the same statement's clock for both: a grant's expiry, read back at once, is the
+    # ttl to the millisecond (julianday's double alone gave 30.00004 s of a 30 s grant)
+    dialect = for_alias("default")
+    assert isinstance(dialect, SQLite)
+    granted_expiry = f"({dialect.expiry('%s')})"
+    with connections["default"].cursor() as cursor:
+        cursor.execute(f"SELECT {dialect.remaining(granted_expiry)}", [dialect.ttl_param(ttl)])
+        (remaining,) = cursor.fetchone()
+    assert remaining == ttl
 
 
 @pytest.mark.core
