@@ -47,7 +47,7 @@ TASK = "testproject.demo.tasks.rebuild_report_short"  # lease_ttl=2: renewed eve
 QUEUE = "demo"
 REPORT_ID = 42
 KEY = f"report:{REPORT_ID}"
-WORK_SECONDS = 1.5  # how long one rebuild takes
+WORK_SECONDS = 3.0  # how long one rebuild takes (A is stopped well inside it)
 ADMIN_ADDR = "127.0.0.1:8000"
 
 

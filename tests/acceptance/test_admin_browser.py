@@ -82,7 +82,7 @@ def page(browser: Any, live_server: Any) -> Iterator[Any]:
 def some_leases() -> dict[str, HeldLease]:
     """A changelist worth looking at: every state, a takeover, task ids."""
     takeover_history("default")
-    spread("default", "report:42", dt.timedelta(minutes=2))
+    spread("default", "report:42", dt.timedelta(minutes=2), ttl=600)  # held while browsed
     held = {
         "invoice:2024-07": acquire(
             "invoice:2024-07",

@@ -123,7 +123,8 @@ def test_broker_emptied_mid_run__every_job_completes_exactly_once(
     start_worker("a")
     probe = publisher.tasks[PROBE]
     ids = [
-        probe.apply_async(kwargs={"seconds": 0.2, "marker": f"m{i}"}, queue=start_worker.queue).id
+        # a backlog of seconds when the broker loses it (not drained by a short stall)
+        probe.apply_async(kwargs={"seconds": 0.5, "marker": f"m{i}"}, queue=start_worker.queue).id
         for i in range(12)
     ]
     results = TaskResult.objects.using(lease_db).filter(task_id__in=ids, status="SUCCESS")

@@ -89,12 +89,12 @@ def test_paused_permit_holder__taken_over__its_late_write_refused(
     (held,) = Lease.objects.using(alias).filter(
         key__startswith="job:p1" + permits.SEPARATOR, released_at__isnull=True
     )
-    other = acquire("job:p1", ttl=30, limit=2, owner="test-other", using=alias)
+    other = acquire("job:p1", ttl=300, limit=2, owner="test-other", using=alias)
     assert other.key != held.key  # the second permit: free, no takeover
 
     def take_over() -> Any:
         try:
-            return acquire("job:p1", ttl=30, limit=2, owner="test-taker", using=alias)
+            return acquire("job:p1", ttl=300, limit=2, owner="test-taker", using=alias)
         except LeaseBusy:
             return None
 

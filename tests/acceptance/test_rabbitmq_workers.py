@@ -51,6 +51,7 @@ def test_killed_holder__redelivered_at_once__next_worker_takes_over_with_the_nex
         lambda: Lease.objects.using(alias).filter(key="job:k1").first(), 30, "A's grant"
     )
     assert lease.owner.startswith("a-")
+    worker_a.pause()  # its body must not end while B starts (seconds on a busy machine)
     start_worker("b", env=env)
     worker_a.kill()  # SIGKILL to its process group: the pool child too, no ack ever
     status, value = result_of(alias, task_id, timeout=90)

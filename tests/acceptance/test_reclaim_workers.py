@@ -39,7 +39,7 @@ EFFECT = "testproject.demo.tasks.apply_effect"
 TTL = 2.0
 # fenced through settings with the default key: reclaimed without being asked to
 TASKS = json.dumps({EFFECT: {"ttl": TTL}})
-WORK = 1.0  # seconds the job takes
+WORK = 3.0  # seconds the job takes (a signal sent after its grant is seen lands within it)
 SWEEP = 0.2  # seconds between the test's reclaimer sweeps
 # Each broker with one database: the embedded default (SQLite, filesystem) and a production
 # pair (PostgreSQL, Redis). The claim itself is raced on both databases elsewhere.
@@ -266,8 +266,8 @@ def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
         return worker
 
     try:
-        a = start("A", "--time-limit", "3")
-        result = broker.app.send_task(EFFECT, args=("limited", "effect", 4.0), queue=queue)
+        a = start("A", "--time-limit", "6")  # not before the pause below
+        result = broker.app.send_task(EFFECT, args=("limited", "effect", 8.0), queue=queue)
         task_id = str(result.id)
         lease = wait_for(
             lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "A's grant"

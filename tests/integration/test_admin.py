@@ -58,8 +58,9 @@ def takeover_history(alias: str, key: str = "report:42") -> tuple[HeldLease, Hel
     return paused, fourth
 
 
-def spread(alias: str, key: str, step: dt.timedelta) -> None:
-    """Space the events of ``key`` ``step`` apart, ending now (test data for pictures)."""
+def spread(alias: str, key: str, step: dt.timedelta, ttl: float = 30) -> None:
+    """Space the events of ``key`` ``step`` apart, ending now (test data for pictures);
+    its grant then runs ``ttl`` seconds more."""
     events = list(LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id"))
     now = operations.database_now(alias)
     lease = Lease.objects.using(alias).get(key=key)
@@ -74,7 +75,7 @@ def spread(alias: str, key: str, step: dt.timedelta) -> None:
         if event.token == lease.token and event.kind in ("acquired", "reclaimed"):
             granted = at
     Lease.objects.using(alias).filter(pk=lease.pk).update(
-        acquired_at=granted, renewed_at=now, expires_at=now + dt.timedelta(seconds=30)
+        acquired_at=granted, renewed_at=now, expires_at=now + dt.timedelta(seconds=ttl)
     )
 
 

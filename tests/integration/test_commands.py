@@ -84,7 +84,7 @@ def test_list__json_fields_and_limit(alias: str) -> None:
         "expires_in",
     }
     held = json.loads(fenced("list", "--json", "--state", "held", "--database", alias))[0]
-    assert 290 < held["expires_in"] <= 300  # by the database's clock
+    assert 0 < held["expires_in"] <= 300  # by the database's clock
     assert "(first 1; --limit 0 lists all)" in fenced("list", "--limit", "1", "--database", alias)
     assert fenced("list", "--prefix", "nothing", "--database", alias).strip() == "No leases."
 

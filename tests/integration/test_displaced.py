@@ -254,8 +254,10 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
         while waiting() < 2:
             time.sleep(0.01)
         blocker.commit()
-    c.join(10)
-    d.join(10)
+    c.join(60)
+    d.join(60)
+    assert not c.is_alive(), "C is still waiting"
+    assert not d.is_alive(), "D is still waiting"
     assert not errors, errors
     lease = Lease.objects.using(alias).get(key="k")
     assert (lease.task_id, lease.token) == ("d", 3)  # D took C's grant (token 2) over

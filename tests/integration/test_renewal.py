@@ -61,7 +61,7 @@ def test_renewer__renews_every_held_lease_in_one_statement(alias: str) -> None:
     assert not any(lease.lost for lease in leases)
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> None:
+def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

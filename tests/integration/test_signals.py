@@ -21,7 +21,7 @@ from tests.tracing import fenced_app, trace
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> None:
+def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"

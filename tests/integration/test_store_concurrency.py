@@ -119,7 +119,7 @@ def test_clock__skewed_python_clock_gets_the_same_decisions(
     proc.join(timeout=30)
     assert proc.exitcode == 0
     assert decisions["held"] == "busy", decisions
-    assert 50 < decisions["remaining"] <= 60
+    assert 0 < decisions["remaining"] <= 60  # not 10 minutes more or less
     assert decisions["expired"] == 2
     # the grant runs 60s by the database's clock, whatever the worker's clock says
     assert abs(decisions["expires_in"] - (60 - shift_minutes * 60)) < 10
