@@ -183,6 +183,8 @@ TRACE = "demo_chaos_trace"
 SENT_PATIENCE = 60.0
 #: set by the chaos runner, which creates the table (other tests load these tasks too)
 TRACING = os.environ.get("FENCED_CHAOS_TRACE") == "1"
+#: the ``owner`` of a ``sent`` row published by a worker's main process (no execution)
+MAIN_PROCESS = "main-process"
 
 
 @dataclass(frozen=True)
@@ -292,13 +294,25 @@ def _trace_sent(sender: Any = None, headers: Any = None, body: Any = None, **_: 
     and chord bodies while its result is stored). Waits out a database restart.
     """
     task = get_current_task()
-    if not TRACING or task is None or not str(getattr(task, "name", "")).startswith("chaos."):
-        return
-    request = task.request
-    if not request.id or not headers:
+    if not TRACING or not headers:
         return
     args = body[0] if isinstance(body, (list, tuple)) and body else []
-    lease = getattr(request, "_fenced_lease", None)
+    if task is None:
+        # no execution sending: the worker's main process reporting the end of a pool
+        # process (a hard time limit), which sends the errbacks on its behalf
+        sending, token, owner = headers.get("parent_id"), None, MAIN_PROCESS
+        sent_task = str(headers.get("task", sender))
+        if not (os.environ.get("FENCED_WORKER_NAME") and sent_task.startswith("chaos.")):
+            return  # a producer's own send (the runner, the reclaimer)
+    else:
+        if not str(getattr(task, "name", "")).startswith("chaos."):
+            return
+        request = task.request
+        lease = getattr(request, "_fenced_lease", None)
+        sending, token = request.id, getattr(request, "fencing_token", None)
+        owner = lease.owner if lease is not None else ""
+    if not sending:
+        return
     trace = Trace(
         0,
         "sent",
@@ -306,9 +320,9 @@ def _trace_sent(sender: Any = None, headers: Any = None, body: Any = None, **_: 
         "",
         0,
         str(headers.get("id", "")),
-        request.id,
-        getattr(request, "fencing_token", None),
-        lease.owner if lease is not None else "",
+        str(sending),
+        token,
+        owner,
         _worker(),
         int(headers.get("retries") or 0),
         args[0] if args else None,

@@ -42,7 +42,7 @@ KNOWN = {
 
 
 @pytest.mark.workers
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_chaos__short_form_keeps_every_invariant(tmp_path: Path, broker: str) -> None:
     report = tmp_path / "report.json"
     command = [
@@ -54,7 +54,7 @@ def test_chaos__short_form_keeps_every_invariant(tmp_path: Path, broker: str) ->
         "--rate",
         "1.0",
         "--drain-timeout",
-        "60",
+        "150",  # the run ends as soon as every job is final
         "--log-dir",
         str(tmp_path / "logs"),
         "--json",
@@ -65,7 +65,7 @@ def test_chaos__short_form_keeps_every_invariant(tmp_path: Path, broker: str) ->
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         run = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=270
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400
         )
     finally:
         connections.close_all()  # PostgreSQL was restarted under this process's connections
@@ -304,9 +304,11 @@ def test_chaos__long_form_entry_point_starts_its_own_servers(tmp_path: Path) -> 
 
 
 # -- the invariants at Celery's seams, on hand-made histories ------------------------------
-def trace(kind: str, task_id: str, parent_id: str, token: int | None, value: Any = None) -> None:
+def trace(
+    kind: str, task_id: str, parent_id: str, token: int | None, value: Any = None, owner: str = ""
+) -> None:
     row = chaos_tasks.Trace(
-        0, kind, "chaos.step", "j", 0, task_id, parent_id, token, "", "w9", 0, value, None
+        0, kind, "chaos.step", "j", 0, task_id, parent_id, token, owner, "w9", 0, value, None
     )
     chaos_tasks.record(row)
 
@@ -378,6 +380,23 @@ def link_history(case: str) -> chaos.Job:
     return job
 
 
+def limit_history(case: str) -> chaos.Job:
+    # a hard time limit: the worker's main process stores FAILURE without a token and
+    # sends the errback with no execution current (a soft limit: the execution, token 2)
+    main = chaos_tasks.MAIN_PROCESS
+    status = "SUCCESS" if case == "main-on-success" else "FAILURE"
+    stored("t", 2 if case == "soft" else None, status)
+    stored("eb", None)
+    if case == "soft":
+        trace("sent", "eb", "t", 2, "t")
+    else:
+        trace("sent", "eb", "t", None, "t", owner=main)
+    trace("run", "eb", "t", None, "t")
+    if case == "main-twice":  # the hard limit reported twice, each report sending it
+        trace("sent", "eb", "t", None, "t", owner=main)
+    return seam_job("limit", {"task": "t", "errback": "eb"})
+
+
 @db
 @pytest.mark.parametrize(
     ("history", "case", "expected"),
@@ -396,6 +415,10 @@ def link_history(case: str) -> chaos.Job:
         (link_history, "errback-twice", "errback"),
         (link_history, "stale-errback", "errback"),
         (link_history, "callback-on-failure", "successor"),
+        (limit_history, "hard", None),
+        (limit_history, "soft", None),
+        (limit_history, "main-twice", "errback"),
+        (limit_history, "main-on-success", "errback"),
     ],
 )
 def test_checker__messages_sent_for_a_task_are_counted(
