@@ -40,7 +40,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import exits, outages, outbox, store, workflow
+from celery_fenced import exits, keys, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.requests import EndedProcess
 from celery_fenced.store import HeldLease
@@ -250,23 +250,37 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         def attempt() -> None:
             again()
             if self._may_record_elsewhere(task_id, state, request):
-                self._untokened(task_id, state, request, lambda: self._ended(drive, request))
+                self._untokened(
+                    task_id, state, request, lambda: self._ended(drive, state, request)
+                )
 
         self._through_outages(task_id, self._untokened_aliases(), attempt)
 
-    def _ended(self, drive: Callable[[], None], request: Any) -> None:
+    def _ended(self, drive: Callable[[], None], state: str, request: Any) -> None:
         """``drive()`` — an untokened final outcome of a fenced task (a time limit, a lost
         worker) — and the end of its row in the outbox with it (handed over when another
         job took its expired grant over): the reclaimer does not send the job again over
-        that outcome. A copy already in the broker (a retry sent while the database was
-        away) still runs: the outcome it records supersedes this one."""
+        that outcome.
+
+        The FAILURE of a pool process that ended (its hard time limit, its loss) is the
+        job's outcome, as an execution's own FAILURE is: its errbacks are sent, so a copy
+        of the message (a busy retry sent while it held the key, a redelivery) is a
+        completed duplicate and does not run. A revoke's or an expiry's REVOKED is not:
+        a copy sent again still runs, and the outcome it records supersedes this one."""
         from celery_fenced.execution import FencedExecution
 
         drive()
         task_id = getattr(request, "id", None)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
-        if task_id and isinstance(task, FencedExecution):
-            store.forget_pending(store.database_alias(), task_id)
+        if not task_id or not isinstance(task, FencedExecution):
+            return
+        alias = store.database_alias()
+        store.forget_pending(alias, task_id)
+        ended = getattr(request, "_fenced_process", None)
+        if state == states.FAILURE and isinstance(ended, EndedProcess) and ended.owner_prefix:
+            delivery = _delivery_of(task_id, task.name, request)
+            if delivery is not None:
+                store.mark_ended(alias, delivery)
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -667,6 +681,16 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if not isinstance(key, str):
             return True
         return not store.grant_live_since(key, token, task_id)
+
+
+def _delivery_of(task_id: str, task_name: str, request: Any) -> store.Delivery | None:
+    """The delivery a worker's main process reports the end of, as its execution saw it
+    (see ``FencedExecution._delivery``); None when the request carries no arguments."""
+    args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+    if args is None or kwargs is None:
+        return None
+    digest = keys.message_digest(task_id, task_name, args, kwargs)
+    return store.Delivery(task_id, digest, int(getattr(request, "retries", 0) or 0))
 
 
 def _from_scratch(request: Any) -> Callable[[], None]:

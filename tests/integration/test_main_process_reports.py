@@ -23,7 +23,7 @@ from celery_fenced import acquire
 from celery_fenced.models import Lease
 from celery_fenced.requests import FencedRequest
 from tests.conftest import WITH_MARIADB
-from tests.integration.test_seams import Broker, status, wait_for
+from tests.integration.test_seams import RUNS, Broker, deliver, status, wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
@@ -79,6 +79,34 @@ def test_hard_time_limit__reported_twice_by_celery__recorded_and_its_errback_sen
     assert status(lease_db, "t1")[0] == states.FAILURE
     assert Lease.objects.using(lease_db).get(key="job").released_at is not None
     assert len(broker.sent("seams.errback")) == 1
+
+
+def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not_run(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes]
+) -> None:
+    """The pool process ran past its hard time limit: the main process records the job's
+    FAILURE and sends its errback. A copy of the message delivered after that (a busy
+    retry sent while the process held the key, a redelivery) is a duplicate of the
+    completed job: it does not run, nor turn the FAILURE into a SUCCESS after the errback
+    went out (found by the chaos runner's invariant e)."""
+    app = broker.app
+    app.signature("seams.step", ("t",)).apply_async(
+        task_id="t1", link_error=app.signature("seams.errback")
+    )
+    copy = broker.one("seams.step")
+    pid = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    request = accepted(broker, "t1", pid)
+    request.on_timeout(False, 1.0)
+    pool_process.kill()
+    pool_process.wait()
+    wait_for(lambda: not reports_waiting(), "the report")
+    assert status(lease_db, "t1")[0] == states.FAILURE
+    assert len(broker.sent("seams.errback")) == 1
+    deliver(app, copy)
+    assert [run for run in RUNS if run[0] == "seams.step"] == []
+    assert status(lease_db, "t1")[0] == states.FAILURE
+    assert broker.sent("seams.sink") == []
 
 
 def test_warm_shutdown__waits_for_a_report_still_to_be_made(
