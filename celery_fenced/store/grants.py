@@ -226,16 +226,32 @@ def settle_elsewhere(
     taken over: this one was taken over, so it is stale); for a delivery that never
     started (``process`` None), only a live one: an expired grant's holder is gone or
     stale, and the expired message's ``REVOKED`` is the job's outcome until it comes back.
+    Returns False too when the process holds no grant of ``task_id`` any more because
+    another execution of it took its grant over: that one's outcome is the job's, even
+    once it has ended (a second hard time limit's report would send the errbacks again).
     """
     alias = database_alias(using)
     dialect = dialects.for_alias(alias)
+    grants = dialect.task_grants(task_id)
+    if (
+        process is not None
+        and not any(_owned_by(owner, process) for _, _, owner, _ in grants)
+        and _taken_over_by_the_task(alias, task_id, process)
+    ):
+        logger.info(
+            "task %s ended (%s) in %s, whose grant another execution of it took over: "
+            "nothing recorded",
+            task_id,
+            by,
+            process,
+            extra={"task_id": task_id},
+        )
+        return False
     others = False
-    for key, token, owner, live in dialect.task_grants(task_id):
+    for key, token, owner, live in grants:
         if process is None and not live:
             continue
-        if process is not None and (
-            owner == process or (process.endswith(":") and owner.startswith(process))
-        ):
+        if process is not None and _owned_by(owner, process):
             ended = dialect.force_release(key, by, task_id=task_id, token=token)
             if ended is not None:
                 logger.info(
@@ -258,6 +274,24 @@ def settle_elsewhere(
         else:
             others = True
     return not others
+
+
+def _owned_by(owner: str, process: str) -> bool:
+    """Whether lease owner ``owner`` is ``process`` (an owner, or a ``host:pid:`` prefix)."""
+    return owner == process or (process.endswith(":") and owner.startswith(process))
+
+
+def _taken_over_by_the_task(alias: str, task_id: str, process: str) -> bool:
+    """Whether another process's execution of ``task_id`` took a grant of ``process``
+    over (a ``reclaimed`` event, always recorded, names the grant's previous owner)."""
+    takeovers = LeaseEvent._default_manager.using(alias).filter(
+        kind=LeaseEvent.Kind.RECLAIMED, task_id=task_id
+    )
+    return any(
+        _owned_by(str((detail or {}).get("previous_owner", "")), process)
+        and not _owned_by(owner, process)
+        for owner, detail in takeovers.values_list("owner", "detail")
+    )
 
 
 def expired_unclaimed(lease: HeldLease) -> bool:

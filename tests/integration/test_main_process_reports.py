@@ -4,6 +4,8 @@ for a real child process standing in for the pool process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from celery import states
 from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import TimeLimitExceeded
 from django.db import connections
+from django.db.models import F
 from django_celery_results.models import TaskResult
 
 from celery_fenced import acquire
@@ -107,6 +110,32 @@ def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not
     assert [run for run in RUNS if run[0] == "seams.step"] == []
     assert status(lease_db, "t1")[0] == states.FAILURE
     assert broker.sent("seams.sink") == []
+
+
+def test_hard_time_limits_of_a_taken_over_process_and_its_taker__one_report_records(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes]
+) -> None:
+    """A's pool process holds the job and stops; B's takes the expired grant over; both
+    run past their hard time limits. B's report records the job's FAILURE and sends its
+    errback; A's, made later (its worker was stopped too), changes nothing: A's grant was
+    taken over by another execution of the job, whose outcome is the job's, even once it
+    ended (found by the chaos runner's invariant e: the errback was sent twice)."""
+    taker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        a, b = pool_process.pid, taker.pid
+        acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{a}:1", using=lease_db)
+        Lease.objects.using(lease_db).filter(key="job").update(expires_at=F("acquired_at"))
+        acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{b}:1", using=lease_db)
+        for pid in (b, a):  # B's report first, then the stale process's
+            accepted(broker, "t1", pid).on_timeout(False, 1.0)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not reports_waiting(), "the report")
+            assert status(lease_db, "t1")[0] == states.FAILURE
+    finally:
+        taker.kill()
+        taker.wait()
+    assert len(broker.sent("seams.errback")) == 1
+    assert Lease.objects.using(lease_db).get(key="job").token == 2
 
 
 def test_warm_shutdown__waits_for_a_report_still_to_be_made(
