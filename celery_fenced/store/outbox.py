@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
+from django.db import connections, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Greatest, Now
 
@@ -92,8 +93,11 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
     """Claim up to ``limit`` pending jobs due to be sent again; expired ones are deleted.
 
     Each row is claimed by a conditional ``UPDATE`` on the sendings count it was read
-    with (still due), so several reclaimers send each due job once. Returns the claims
-    and whether more may be due (``limit`` rows were read).
+    with (still due), so several reclaimers send each due job once. A row locked by a
+    transaction in progress (a worker granting the job, perhaps stopped in the middle of
+    it: SIGSTOP, a GC pause) is passed over, not waited for: one stalled process must not
+    stall the resending of every other job. Returns the claims and whether more may be
+    due (``limit`` rows were read).
     """
     rows = PendingJob.objects.using(alias)
     dialects.for_alias(alias).delete_ended_copies()  # until_done rows whose run ended
@@ -110,12 +114,20 @@ def claim_due(alias: str, *, resend_after: float, limit: int) -> tuple[list[Due]
         )[:limit]
     )
     claimed = []
+    # SKIP LOCKED where the database has it (PostgreSQL, MariaDB 10.6+, MySQL 8); SQLite
+    # has one writer at a time and no row locks
+    skip_locked = connections[alias].features.has_select_for_update_skip_locked
     for row_id, task_id, task_name, key, job, sends, eta, plain in candidates:
-        won = due.filter(id=row_id, sends=sends).update(
-            sends=F("sends") + 1,
-            unsent=False,
-            resend_at=Now() + dt.timedelta(seconds=resend_after),
-        )
+        with transaction.atomic(using=alias):
+            row = due.filter(id=row_id, sends=sends)
+            locked = row.select_for_update(skip_locked=True).values_list("id", flat=True)
+            if skip_locked and not list(locked):
+                continue  # locked by a transaction in progress, or claimed already
+            won = row.update(
+                sends=F("sends") + 1,
+                unsent=False,
+                resend_at=Now() + dt.timedelta(seconds=resend_after),
+            )
         if won:
             claimed.append(Due(row_id, task_id, task_name, key, job, sends + 1, eta, plain))
     return claimed, len(candidates) == limit

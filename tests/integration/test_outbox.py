@@ -21,7 +21,7 @@ from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.hooks import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
-from tests.conftest import WITH_MARIADB
+from tests.conftest import WITH_MARIADB, side_connection
 from tests.integration.test_seams import (
     RUNS,
     Broker,
@@ -142,6 +142,31 @@ def test_lost_message__sent_again_once_with_its_task_id_then_runs_once(
     assert pending(lease_db) == []
     deliver(broker.app, original)  # the first copy turns up after all: a duplicate
     assert status(lease_db, result.id) == (states.SUCCESS, '"l@1"')
+
+
+def test_row_locked_by_a_stopped_transaction__passed_over_not_waited_for(
+    broker: Broker, lease_db: str
+) -> None:
+    """A worker granting a job holds its pending row locked, and stops there (SIGSTOP, a
+    GC pause): the reclaimer sends the other due jobs instead of waiting for it (found
+    by the chaos runner, whose reclaimer waited on a row of a worker it had stopped)."""
+    if not connections[lease_db].features.has_select_for_update_skip_locked:
+        pytest.skip("SQLite: one writer at a time, no row locks")
+    ids = [broker.app.signature("seams.step", (f"s{i}",)).apply_async().id for i in range(3)]
+    make_due(lease_db)
+    stopped = side_connection(lease_db)
+    cursor = stopped.cursor()
+    try:
+        cursor.execute("BEGIN")
+        cursor.execute(
+            "SELECT id FROM celery_fenced_pendingjob WHERE task_id = %s FOR UPDATE", [ids[0]]
+        )
+        outcomes = resend_pending(broker.app)
+        assert sorted(o.task_id for o in outcomes) == sorted(ids[1:])
+    finally:
+        cursor.execute("ROLLBACK")
+        stopped.close()
+    assert [o.task_id for o in resend_pending(broker.app)] == [ids[0]]  # its turn now
 
 
 def test_two_reclaimers__each_due_job_sent_once(broker: Broker, lease_db: str) -> None:

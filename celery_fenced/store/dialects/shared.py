@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Greatest, Now
 
@@ -143,10 +143,23 @@ class PortableOperations(Dialect, PermitGrants):
         return rows.filter(Q(abandoned_at__isnull=False) | expired | started)
 
     def delete_ended_copies(self) -> int:
-        """Delete the ``until_done`` rows whose run has ended (see :meth:`_ended_copies`)."""
+        """Delete the ``until_done`` rows whose run has ended (see :meth:`_ended_copies`).
+
+        Rows locked by a transaction in progress are left for the next sweep, not waited
+        for (InnoDB's ``DELETE`` locks every row it reads, matching or not): a process
+        stopped inside its transaction must not stall the reclaimer."""
         rows = PendingJob._default_manager.using(self.alias).filter(started_token__isnull=False)
-        deleted: int = self._ended_copies(rows, "until_done").delete()[0]
-        return deleted
+        ended = self._ended_copies(rows, "until_done")
+        if not connections[self.alias].features.has_select_for_update_skip_locked:
+            deleted: int = ended.delete()[0]
+            return deleted
+        with transaction.atomic(using=self.alias):
+            ids = list(ended.select_for_update(skip_locked=True).values_list("id", flat=True))
+            if not ids:
+                return 0
+            pending = PendingJob._default_manager.using(self.alias)
+            gone: int = pending.filter(id__in=ids).delete()[0]
+            return gone
 
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str
