@@ -40,7 +40,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import exits, keys, outages, outbox, store, workflow
+from celery_fenced import exits, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.requests import EndedProcess
 from celery_fenced.store import HeldLease
@@ -267,7 +267,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         of the message (a busy retry sent while it held the key, a redelivery) is a
         completed duplicate and does not run. A revoke's or an expiry's REVOKED is not:
         a copy sent again still runs, and the outcome it records supersedes this one."""
-        from celery_fenced.execution import FencedExecution
+        from celery_fenced.execution import FencedExecution, delivery_of
 
         drive()
         task_id = getattr(request, "id", None)
@@ -277,10 +277,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         alias = store.database_alias()
         store.forget_pending(alias, task_id)
         ended = getattr(request, "_fenced_process", None)
-        if state == states.FAILURE and isinstance(ended, EndedProcess) and ended.owner_prefix:
-            delivery = _delivery_of(task_id, task.name, request)
-            if delivery is not None:
-                store.mark_ended(alias, delivery)
+        args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
+        if (
+            state == states.FAILURE
+            and isinstance(ended, EndedProcess)
+            and ended.owner_prefix
+            and args is not None
+            and kwargs is not None
+        ):
+            store.mark_ended(alias, delivery_of(task_id, task.name, args, kwargs, request))
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -681,16 +686,6 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if not isinstance(key, str):
             return True
         return not store.grant_live_since(key, token, task_id)
-
-
-def _delivery_of(task_id: str, task_name: str, request: Any) -> store.Delivery | None:
-    """The delivery a worker's main process reports the end of, as its execution saw it
-    (see ``FencedExecution._delivery``); None when the request carries no arguments."""
-    args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
-    if args is None or kwargs is None:
-        return None
-    digest = keys.message_digest(task_id, task_name, args, kwargs)
-    return store.Delivery(task_id, digest, int(getattr(request, "retries", 0) or 0))
 
 
 def _from_scratch(request: Any) -> Callable[[], None]:

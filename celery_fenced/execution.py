@@ -378,11 +378,7 @@ class FencedExecution:
 
     def _delivery(self, task_id: str, args: Any, kwargs: Any) -> Delivery:
         """This execution's delivery: task id, message digest, retry count."""
-        from celery_fenced import store
-
-        retries = int(getattr(self.request, "retries", 0) or 0)
-        digest = keys.message_digest(task_id, self.name, args, kwargs)
-        return store.Delivery(task_id, digest, retries)
+        return delivery_of(task_id, self.name, args, kwargs, self.request)
 
     def _lease_alias(self) -> str:
         """The database of this execution's lease (the lease database when none is held)."""
@@ -577,3 +573,13 @@ def execution_owner(request: Any) -> str:
     """The lease owner of an execution of ``request`` in this thread: ``host:pid:thread``."""
     host = getattr(request, "hostname", None) or "local"
     return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]
+
+
+def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:
+    """One delivery of a job: its task id, message digest and retry count as the body sees
+    it (``request.retries``; the package's own re-sends keep it). The execution and the
+    worker's main process reporting its end both name it so, with the message's arguments."""
+    from celery_fenced import store
+
+    retries = int(getattr(request, "retries", 0) or 0)
+    return store.Delivery(task_id, keys.message_digest(task_id, task_name, args, kwargs), retries)

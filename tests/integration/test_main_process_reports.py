@@ -110,6 +110,10 @@ def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not
     assert [run for run in RUNS if run[0] == "seams.step"] == []
     assert status(lease_db, "t1")[0] == states.FAILURE
     assert broker.sent("seams.sink") == []
+    # a retry the body asked for before its limit (retries + 1) is another delivery: it runs
+    headers, body = copy
+    deliver(app, ({**headers, "retries": headers["retries"] + 1}, body))
+    assert [run[:2] for run in RUNS if run[0] == "seams.step"] == [("seams.step", "t")]
 
 
 def test_hard_time_limits_of_a_taken_over_process_and_its_taker__one_report_records(
