@@ -115,6 +115,12 @@ class Sender:
     def seconds(self, scale: float = 1.0) -> float:
         return round(self.rng.uniform(*self.work) * scale, 3)
 
+    def errback(self, name: str) -> Any:
+        """A ``link_error`` of job ``name``, its id fixed (``freeze``) for the checker."""
+        errback = self.sig("chaos.errback", (), {"job": name})
+        errback.freeze()
+        return errback
+
     def send(self, name: str) -> Job:
         kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
         sent_at = dt.datetime.now()
@@ -160,9 +166,8 @@ class Sender:
     def send_link(self, name: str) -> Job:
         fail = self.rng.random() < 0.4
         link = self.sig("chaos.callback", (name,))
-        errback = self.sig("chaos.errback", (), {"job": name})
+        errback = self.errback(name)
         link.freeze()
-        errback.freeze()
         parent = self.sig("chaos.step", (None, name, 0), {"seconds": self.seconds(), "fail": fail})
         result = parent.apply_async(link=link, link_error=errback)
         job = self._job(
@@ -177,8 +182,7 @@ class Sender:
         options = {limit: self.ttl / 2}
         # a hard limit's FAILURE is reported by the worker's main process, which sends the
         # errback on the killed execution's behalf (Celery reports it twice: sent once)
-        errback = self.sig("chaos.errback", (), {"job": name})
-        errback.freeze()
+        errback = self.errback(name)
         result = self.sig("chaos.step", (None, name, 0), {"seconds": seconds}, **options)
         task_id = result.apply_async(link_error=errback).id
         return self._job(name, "limit", {"task": task_id, "errback": errback.id})
@@ -373,6 +377,8 @@ def _edge(
     kind: str, job: Job, parent_id: str, child_id: str, when: str, seams: Seams
 ) -> list[tuple[str, str, str]]:
     """The message ``child_id`` that ``parent_id`` sends on ending in state ``when``."""
+    from testproject.demo.chaos_tasks import MAIN_PROCESS
+
     parent = seams.stored.get(parent_id)
     expected = parent is not None and parent.status == when
     token = parent.token if parent is not None and expected else None
@@ -381,8 +387,6 @@ def _edge(
     state = parent.status if parent else "no result"
     sends = [s for s in seams.sent.get(child_id, []) if s.parent_id != child_id]
     problems = []
-
-    from testproject.demo.chaos_tasks import MAIN_PROCESS
 
     def by_current(s: Any) -> bool:
         # the worker's main process sends a killed execution's errbacks without its token
