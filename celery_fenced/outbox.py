@@ -587,33 +587,14 @@ def _revoke_expired(app: Celery, alias: str, row: tuple[int, str, str, str]) -> 
     lost, say): record its ``REVOKED`` outcome, as the worker does when an expired message
     arrives (the result backend, the workflow it belongs to), then end its row; never
     sent again."""
-    from celery import states
-    from celery.app.task import Context
-
     from celery_fenced import store
 
     row_id, task_id, task_name, job = row
-    context: dict[str, Any] = {"id": task_id, "task": task_name}
+    recorded: reclaim.Job | None = None
     with contextlib.suppress(ValueError):
         recorded = reclaim.decode_job(job)
-        options = recorded.options
-        context.update(
-            args=recorded.args,
-            kwargs=recorded.kwargs,
-            group=options.get("group_id"),
-            group_index=options.get("group_index"),
-            chord=options.get("chord"),
-            root_id=options.get("root_id"),
-            parent_id=options.get("parent_id"),
-        )
     try:
-        app.backend.mark_as_revoked(
-            task_id,
-            reason="expired",
-            request=Context(context),
-            store_result=True,
-            state=states.REVOKED,
-        )
+        reclaim.record_revoked(app, task_id, task_name, recorded)
     except Exception as exc:
         logger.warning(
             "pending job %s[%s] expired: its REVOKED outcome could not be recorded (%s); "

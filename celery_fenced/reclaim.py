@@ -9,6 +9,12 @@ So a fenced execution records, with its grant, what is needed to send the job ag
 again with the same task id. The new execution reclaims the lease with the next token;
 the old holder, if it still runs, is fenced.
 
+A job whose ``expires`` has passed is not sent again: a worker would discard it (and
+RabbitMQ drops a message whose time to live ran out before any consumer took it, so the
+job would never end). The reclaimer records its ``REVOKED`` outcome, as the worker does
+for an expired message, and ends the expired grant: a holder that was only paused
+changes nothing when it wakes.
+
 The job is stored as JSON through kombu's serializer registry and read back accepting
 JSON only: nothing read from the database is ever unpickled.
 """
@@ -19,16 +25,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery import shared_task
+from celery import shared_task, states
+from celery.app.task import Context
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
 from celery_fenced import signals
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from celery import Celery, Task
-    from celery.app.task import Context
     from django.dispatch import Signal
 
     from celery_fenced import store
@@ -43,6 +50,10 @@ class RunningTask(Protocol):
 
 
 logger = logging.getLogger(__name__)
+
+#: ``by`` of the force-release that ends an expired job's grant (its ``force_released``
+#: event): the reclaimer recorded the job's ``REVOKED`` outcome instead of sending it
+EXPIRED = "reclaimer: the job expired"
 
 CONTENT_TYPE = "application/json"
 VERSION = 1
@@ -103,7 +114,10 @@ class Reclaimed:
     task_name: str
     token: int  # the expired grant's token; the re-sent execution takes a higher one
     attempt: int  # re-sends of this task id so far (the maximum, when abandoned)
-    action: str  # "resent", "abandoned", or "failed" (not sent; the next sweep retries)
+    #: "resent", "abandoned", "revoked" (expired: its REVOKED recorded, never sent),
+    #: "skipped" (expired, its grant ended meanwhile), or "failed" (not sent; the next
+    #: sweep retries)
+    action: str
     reason: str = ""
     dry_run: bool = False
 
@@ -205,6 +219,41 @@ def _queue_name(app: Celery, exchange: str | None, routing_key: str | None) -> s
     return None
 
 
+def expired(app: Celery, job: Job) -> bool:
+    """Whether ``job``'s ``expires`` has passed, by the app's clock (as a worker judges a
+    message it receives)."""
+    value = job.options.get("expires")
+    if not value:
+        return False
+    try:
+        moment = maybe_iso8601(value)
+    except (TypeError, ValueError):  # not a moment: the worker would not expire it either
+        return False
+    return moment is not None and maybe_make_aware(moment) <= app.now()
+
+
+def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -> None:
+    """Record the ``REVOKED`` outcome of an expired job that will not be sent again, as
+    the worker records it when an expired message arrives: in the result backend and in
+    the workflow it belongs to (its chord counts it). Raises what the backend raises."""
+    context: dict[str, Any] = {"id": task_id, "task": task_name}
+    if job is not None:
+        options = job.options
+        context.update(
+            args=job.args,
+            kwargs=job.kwargs,
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
+            chord=options.get("chord"),
+            root_id=options.get("root_id"),
+            parent_id=options.get("parent_id"),
+        )
+    request = Context(context)
+    app.backend.mark_as_revoked(
+        task_id, reason="expired", request=request, store_result=True, state=states.REVOKED
+    )
+
+
 def send_job(app: Celery, job: Job, task_id: str, **more: Any) -> None:
     """Send a recorded ``job`` again with its task id (``more``: options of this sending)."""
     app.send_task(
@@ -279,6 +328,12 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
         return outcome("abandoned", reason)
 
     extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
+    try:
+        readable: Job | None = decode_job(claim.job)
+    except ValueError:
+        readable = None
+    if readable is not None and expired(app, readable):
+        return _revoke(app, alias, claim, readable, outcome)
     if claim.state == ReclaimState.ABANDONED:
         logger.error(
             "lease %r abandoned: task %s[%s] expired unfinished after %d re-sends",
@@ -333,6 +388,55 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
     )
     _signal(signals.lease_resent, claim, attempt=claim.attempts)
     return outcome("resent")
+
+
+def _revoke(
+    app: Celery,
+    alias: str,
+    claim: store.Claim,
+    job: Job,
+    outcome: Callable[[str, str], Reclaimed],
+) -> Reclaimed:
+    """An expired job's claim: its expired grant ended and its ``REVOKED`` recorded, in
+    one transaction of the lease database (the backend records nothing while the job's
+    grant stands; an outcome that cannot be recorded leaves the grant to the next sweep).
+    """
+    from django.db import transaction
+
+    from celery_fenced import store
+
+    extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
+    try:
+        with transaction.atomic(using=alias):
+            ended = store.end_claimed(alias, claim, EXPIRED)
+            if ended:
+                record_revoked(app, claim.task_id, claim.task_name, job)
+    except Exception as exc:
+        logger.warning(
+            "lease %r: task %s[%s] expired, but its REVOKED outcome could not be recorded "
+            "(%r); the next sweep tries again",
+            claim.key,
+            claim.task_name,
+            claim.task_id,
+            exc,
+            extra=extra,
+        )
+        store.unclaim(alias, claim)
+        return outcome("failed", f"expired: {exc!r}")
+    if not ended:  # released or taken over since the claim: its holder records the outcome
+        return outcome("skipped", "its grant ended meanwhile")
+    _signal(signals.lease_released, claim, forced=True)
+    logger.warning(
+        "lease %r expired unfinished under token %s (holder %s) after task %s[%s] expired: "
+        "recorded REVOKED, not sent again",
+        claim.key,
+        claim.token,
+        claim.owner,
+        claim.task_name,
+        claim.task_id,
+        extra=extra,
+    )
+    return outcome("revoked", "expired")
 
 
 def _signal(signal: Signal, claim: store.Claim, **extra: Any) -> None:

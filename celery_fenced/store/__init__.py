@@ -66,6 +66,7 @@ from celery_fenced.store.pruning import delete_completions_before, delete_events
 from celery_fenced.store.reclaiming import (
     abandon,
     claim_expired,
+    end_claimed,
     expired_unfinished,
     record_resent,
     unclaim,
@@ -101,6 +102,7 @@ __all__ = [
     "delete_abandoned_before",
     "delete_completions_before",
     "delete_events_before",
+    "end_claimed",
     "estimated_rows",
     "expired_rows",
     "expired_unclaimed",

@@ -42,3 +42,13 @@ def unclaim(alias: str, claim: Claim) -> bool:
 def record_resent(alias: str, claim: Claim, detail: dict[str, Any]) -> None:
     """The ``resent`` event of a claim whose job was sent again."""
     dialects.for_alias(alias).record_resent(claim, detail)
+
+
+def end_claimed(alias: str, claim: Claim, by: str) -> bool:
+    """End a claimed grant that will not be sent again (its job expired): force-released
+    if it is still the key's, unreleased, under the claimed token (its ``force_released``
+    event says ``by``); False when it ended meanwhile."""
+    ended = dialects.for_alias(alias).force_release(
+        claim.key, by, task_id=claim.task_id, token=claim.token
+    )
+    return ended is not None

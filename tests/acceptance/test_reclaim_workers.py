@@ -309,3 +309,70 @@ def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
         if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
             for worker in started:
                 print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+
+
+@PAIRS_AND_RABBITMQ
+def test_job_expired_while_its_holder_was_stopped__revoked_by_the_reclaimer_not_sent(
+    alias: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A's worker is stopped holding a job whose ``expires`` then passes. The reclaimer
+    (the periodic task, in worker R) records its REVOKED instead of sending it again: a
+    worker would discard the copy, and RabbitMQ would drop it unseen once its time to live
+    ran out (the job would never end). A wakes: its writes are refused, REVOKED stands."""
+    import datetime as dt
+
+    from celery_fenced.reclaim import EXPIRED
+
+    queue = f"q-expired-{uuid.uuid4().hex[:8]}"
+    env = {**broker.env, "FENCED_TASKS_JSON": TASKS}
+    started: list[Worker] = []
+
+    def start(name: str, on: str) -> Worker:
+        worker = Worker(name, database=alias, queue=on, log_dir=tmp_path, env=env)
+        started.append(worker)
+        worker.wait_ready()
+        return worker
+
+    try:
+        a = start("A", queue)
+        reclaimer = start("R", f"{queue}-reclaim")  # runs the reclaimer only
+        expires = broker.app.now() + dt.timedelta(seconds=10)  # long after A's start
+        result = broker.app.send_task(
+            EFFECT, args=("expired", "effect", WORK), queue=queue, expires=expires
+        )
+        task_id = str(result.id)
+        lease = wait_for(
+            lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "A's grant"
+        )
+        a.pause()  # SIGSTOP to the whole process group, its message unacknowledged
+        wait_for(lambda: broker.app.now() > expires, 30, "the job's expiry")
+        outcome = TaskResult.objects.using(alias).filter(task_id=task_id, status="REVOKED")
+
+        def swept() -> bool:
+            broker.app.send_task("celery_fenced.reclaim", queue=f"{queue}-reclaim")
+            return outcome.exists()
+
+        wait_for(swept, 60, "the reclaimer to record the job's REVOKED", every=1.0)
+        t = lease.token
+        ended = Lease.objects.using(alias).get(key=lease.key)
+        assert (ended.token, ended.released_at is not None) == (t, True)
+        assert ("force_released", t) in story(alias, task_id)
+        assert ("resent", t) not in story(alias, task_id)
+        forced = LeaseEvent.objects.using(alias).get(task_id=task_id, kind="force_released")
+        assert forced.detail["by"] == EXPIRED
+        assert "recorded REVOKED, not sent again" in reclaimer.output()
+
+        a.resume()  # A wakes: its ledger write and its result write are refused
+        rejected = LeaseEvent.objects.using(alias).filter(
+            task_id=task_id, kind="stale_write_rejected", token=t
+        )
+        wait_for(lambda: rejected.count() >= 2, 60, "the stale holder's writes to be refused")
+        assert TaskResult.objects.using(alias).get(task_id=task_id).status == "REVOKED"
+        assert not LedgerEntry.objects.using(alias).filter(job="expired").exists()
+    finally:
+        for worker in started:
+            worker.resume()
+            worker.stop()
+        if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+            for worker in started:
+                print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
