@@ -191,6 +191,14 @@ class FencedExecution:
             raise
         except Exception:
             raise
+        except SystemExit:
+            # the process is being ended (the SIGTERM of a hard time limit, of a revoke
+            # with terminate, of a cold shutdown): the grant stays for the worker's main
+            # process, whose report ends it with the job's FAILURE, or runs out its ttl.
+            # Released here, another delivery of the job could run before that report,
+            # which then recorded the job's end a second time (its errbacks sent twice).
+            renewer().unregister(lease)
+            raise
         except BaseException:
             self._fenced_release("")
             raise

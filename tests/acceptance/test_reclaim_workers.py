@@ -188,6 +188,16 @@ def report(name: str, broker: Broker, alias: str, sweeps: Sweeps) -> None:
     )
 
 
+def stop_all(started: list[Worker], request: pytest.FixtureRequest) -> None:
+    """Stop the workers a test started itself (stopped ones too); their logs if it failed."""
+    for worker in started:
+        worker.resume()
+        worker.stop()
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        for worker in started:
+            print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+
+
 @PAIRS
 def test_sigkill_whole_worker__the_other_worker_completes_the_job(
     alias: str, broker: Broker, workers: Any, record_property: Any
@@ -303,12 +313,7 @@ def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
         released = Lease.objects.using(alias).get(task_id=task_id)
         assert (released.token, released.release_state) == (lease.token + 1, "SUCCESS")
     finally:
-        for worker in started:
-            worker.resume()
-            worker.stop()
-        if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-            for worker in started:
-                print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+        stop_all(started, request)
 
 
 @PAIRS_AND_RABBITMQ
@@ -370,9 +375,64 @@ def test_job_expired_while_its_holder_was_stopped__revoked_by_the_reclaimer_not_
         assert TaskResult.objects.using(alias).get(task_id=task_id).status == "REVOKED"
         assert not LedgerEntry.objects.using(alias).filter(job="expired").exists()
     finally:
-        for worker in started:
-            worker.resume()
-            worker.stop()
-        if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-            for worker in started:
-                print(f"--- log of {worker.name}\n{worker.output()[-4000:]}")
+        stop_all(started, request)
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie its stopped parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("alias", "broker"),
+    [("default", "filesystem"), ("postgres", "redis")],
+    ids=["sqlite-filesystem", "postgres-redis"],
+    indirect=["broker"],
+)
+def test_pool_process_terminated__its_grant_waits_for_the_main_process_report(
+    alias: str, broker: Broker, workers: Any
+) -> None:
+    """A pool process ended by SIGTERM (what a hard time limit, a revoke with terminate
+    or a cold shutdown sends it) leaves its grant to the worker's main process, which
+    reports the end (a hard time limit's FAILURE ends the grant), or to its ttl: no other
+    delivery of the job takes the key before that (here the main process is stopped while
+    the pool process dies). Found by the chaos runner: the dying process released its
+    grant, a redelivery ran, and the late report recorded the job's end a second time.
+    Here the main process requeues the message (``reject_on_worker_lost``): the copy
+    takes the grant over once it has run out, under the next token."""
+    import signal
+
+    (a,) = workers("A")
+    result = broker.app.send_task(EFFECT, args=("terminated", "effect", 8.0), queue=workers.queue)
+    task_id = str(result.id)
+    lease = wait_for(
+        lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "A's grant"
+    )
+    child = int(lease.owner.split(":")[1])  # "<worker>@<host>:<pid>:<thread>"
+    assert child != a.process.pid
+    os.kill(a.process.pid, signal.SIGSTOP)  # the main process only
+    try:
+        os.kill(child, signal.SIGTERM)
+        wait_for(lambda: exited(child), 30, "the pool process to end")
+        row = Lease.objects.using(alias).get(key=lease.key)
+        assert (row.token, row.released_at) == (lease.token, None)  # still A's grant
+    finally:
+        os.kill(a.process.pid, signal.SIGCONT)
+    done = wait_for(
+        lambda: (
+            TaskResult.objects.using(alias)
+            .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
+            .first()
+        ),
+        90,
+        "the requeued copy's result",
+    )
+    t = lease.token
+    assert (done.status, json.loads(done.result)) == ("SUCCESS", {"worker": "A", "token": t + 1})
+    assert story(alias, task_id) == [("reclaimed", t + 1)]  # taken over, not handed on
+    entries = LedgerEntry.objects.using(alias).filter(job="terminated")
+    assert list(entries.values_list("token", flat=True)) == [t + 1]
