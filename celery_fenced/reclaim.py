@@ -329,11 +329,12 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
 
     extra = {"lease_key": claim.key, "fencing_token": claim.token, "task_id": claim.task_id}
     try:
-        readable: Job | None = decode_job(claim.job)
-    except ValueError:
-        readable = None
-    if readable is not None and expired(app, readable):
-        return _revoke(app, alias, claim, readable, outcome)
+        job: Job | None = decode_job(claim.job)
+        unreadable = ""
+    except ValueError as exc:
+        job, unreadable = None, f"unreadable job: {exc}"
+    if job is not None and expired(app, job):
+        return _revoke(app, alias, claim, job, outcome)
     if claim.state == ReclaimState.ABANDONED:
         logger.error(
             "lease %r abandoned: task %s[%s] expired unfinished after %d re-sends",
@@ -344,13 +345,10 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
             extra=extra,
         )
         return abandoned("too many re-sends")
-    try:
-        job = decode_job(claim.job)
-    except ValueError as exc:
-        reason = f"unreadable job: {exc}"
-        logger.error("lease %r abandoned: %s", claim.key, reason, extra=extra)
-        store.abandon(alias, claim, reason)
-        return abandoned(reason)
+    if job is None:
+        logger.error("lease %r abandoned: %s", claim.key, unreadable, extra=extra)
+        store.abandon(alias, claim, unreadable)
+        return abandoned(unreadable)
     try:
         send_job(app, job, claim.task_id)
     except Exception as exc:
@@ -486,5 +484,5 @@ def reclaim_task(self: Task[Any, Any]) -> int:
     """
     from celery_fenced.outbox import resend_pending
 
-    expired = sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
-    return expired + sum(1 for o in resend_pending(self.app) if o.action == "resent")
+    reclaimed = sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
+    return reclaimed + sum(1 for o in resend_pending(self.app) if o.action == "resent")

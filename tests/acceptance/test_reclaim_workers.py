@@ -27,6 +27,7 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import Reclaimed, reclaim_expired
 from devtools.workers import Worker, broker_app, filesystem_env, wait_for
 from testproject.demo.models import LedgerEntry
+from tests.acceptance.test_task_workers import result_of
 from tests.conftest import WITH_MARIADB
 
 pytestmark = [
@@ -422,17 +423,8 @@ def test_pool_process_terminated__its_grant_waits_for_the_main_process_report(
         assert (row.token, row.released_at) == (lease.token, None)  # still A's grant
     finally:
         os.kill(a.process.pid, signal.SIGCONT)
-    done = wait_for(
-        lambda: (
-            TaskResult.objects.using(alias)
-            .filter(task_id=task_id, status__in=["SUCCESS", "FAILURE"])
-            .first()
-        ),
-        90,
-        "the requeued copy's result",
-    )
-    t = lease.token
-    assert (done.status, json.loads(done.result)) == ("SUCCESS", {"worker": "A", "token": t + 1})
+    t = lease.token  # the requeued copy's result:
+    assert result_of(alias, task_id, timeout=90) == ("SUCCESS", {"worker": "A", "token": t + 1})
     assert story(alias, task_id) == [("reclaimed", t + 1)]  # taken over, not handed on
     entries = LedgerEntry.objects.using(alias).filter(job="terminated")
     assert list(entries.values_list("token", flat=True)) == [t + 1]
