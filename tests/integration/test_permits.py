@@ -241,6 +241,96 @@ def test_grant_waiting_for_a_permit_row__starts_after_the_release_it_waited_for(
     assert second.expires_at >= committing_at + dt.timedelta(seconds=30)
 
 
+def test_grant_whose_snapshot_sees_a_release__starts_after_that_release(settings: Any) -> None:
+    """PostgreSQL: the one-statement grant's clock is read after its snapshot. A release
+    that commits after the grant statement began, but before it took its snapshot (here:
+    while it waits for a table lock its planning needs), is seen by the grant; the grant
+    must not then start before that release, or the key's history has one grant more
+    than its limit current at once (the short chaos run on RabbitMQ: three on a limit of
+    two)."""
+    from celery_fenced.store.dialects.records import PENDING
+    from tests.conftest import side_connection, wait_until_blocked
+
+    settings.CELERY_FENCED_EVENTS = "all"  # the grant's event too
+    alias = "postgres"
+    first = acquire("s", ttl=30, limit=1, task_id="first", using=alias)
+    granted: list[Any] = []
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            granted.append(acquire("s", ttl=30, limit=1, task_id="second", using=alias))
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    with side_connection(alias) as planner, side_connection(alias) as holder:
+        planner.execute("BEGIN")  # the grant's statement stops before its snapshot
+        planner.execute(f"LOCK TABLE {PENDING} IN SHARE MODE")
+        thread = threading.Thread(target=take)
+        thread.start()
+        wait_until_blocked(alias, thread)
+        (released_at,) = holder.execute(
+            "UPDATE celery_fenced_lease SET released_at = clock_timestamp()"
+            " WHERE key = %s RETURNING released_at",
+            [first.key],
+        ).fetchone()
+        planner.execute("COMMIT")
+    thread.join(30)
+    assert not errors
+    (second,) = granted
+    row = Lease.objects.using(alias).get(key=first.key)
+    assert row.token == second.token
+    assert row.acquired_at >= released_at
+    assert second.expires_at >= released_at + dt.timedelta(seconds=30)
+    assert (
+        LeaseEvent.objects.using(alias).get(token=second.token, kind="acquired").at >= released_at
+    )
+
+
+def test_plain_grant_waiting_for_the_keys_row__starts_after_the_release_it_waited_for(
+    settings: Any,
+) -> None:
+    """PostgreSQL: a plain key's grant (the upsert) waits in its conflict clause for the row
+    a release holds; it starts (``acquired_at``, its expiry, its event) after that release,
+    not at the clock its statement read before the wait."""
+    from tests.conftest import side_connection, wait_until_blocked
+
+    settings.CELERY_FENCED_EVENTS = "all"
+    alias = "postgres"
+    acquire("p", ttl=30, task_id="first", using=alias)
+    granted: list[Any] = []
+
+    def take() -> None:
+        try:
+            granted.append(acquire("p", ttl=30, task_id="second", using=alias))
+        finally:
+            connections.close_all()
+
+    with side_connection(alias) as holder:  # the holder's release, begun before the grant
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM celery_fenced_lease WHERE key = 'p' FOR UPDATE")
+        thread = threading.Thread(target=take)
+        thread.start()
+        wait_until_blocked(alias, thread)
+        (released_at,) = holder.execute(
+            "UPDATE celery_fenced_lease SET released_at = clock_timestamp()"
+            " WHERE key = 'p' RETURNING released_at"
+        ).fetchone()
+        holder.execute("COMMIT")
+    thread.join(30)
+    (second,) = granted
+    row = Lease.objects.using(alias).get(key="p")
+    assert (row.token, row.task_id) == (second.token, "second")
+    assert row.acquired_at >= released_at
+    assert row.renewed_at >= released_at
+    assert second.expires_at >= released_at + dt.timedelta(seconds=30)
+    assert (
+        LeaseEvent.objects.using(alias).get(token=second.token, kind="acquired").at >= released_at
+    )
+
+
 def test_postgresql__a_free_permit_is_granted_in_one_statement() -> None:
     from django.test.utils import CaptureQueriesContext
 

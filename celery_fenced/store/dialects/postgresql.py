@@ -59,8 +59,17 @@ class PostgreSQL(SQLDialect):
     def json_int(self, column: str, name: str) -> str:
         return f"({column} ->> '{name}')::bigint"
 
-    def expiry(self, ttl_sql: str) -> str:
-        return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
+    def expiry(self, ttl_sql: str, start: str = "statement_timestamp()") -> str:
+        return f"({start} + ({ttl_sql})::float8 * interval '1 second')"
+
+    def _conflict_times(self) -> str:
+        # the conflict clause runs once the row is locked: a release this grant waited for
+        # committed before then, and ``statement_timestamp()`` (the proposed row's) is
+        # older than that release; the grant starts now, its ttl unchanged
+        return (
+            "acquired_at = clock_timestamp(), renewed_at = clock_timestamp(), "
+            "expires_at = excluded.expires_at + (clock_timestamp() - excluded.acquired_at)"
+        )
 
     def remaining(self, column: str) -> str:
         return f"GREATEST(EXTRACT(EPOCH FROM {column} - statement_timestamp()), 0)::float8"
@@ -411,7 +420,7 @@ class PostgreSQL(SQLDialect):
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT id, CASE WHEN reclaimed_from = ''
                                     THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
-                           token, %s, %s, statement_timestamp(),
+                           token, %s, %s, clock_timestamp(),  -- after the grant's
                            CASE WHEN reclaimed_from = '' THEN '{{}}'::jsonb ELSE
                            jsonb_build_object(
                                'previous_owner', reclaimed_from,
@@ -483,6 +492,11 @@ class PostgreSQL(SQLDialect):
         (``FOR UPDATE SKIP LOCKED``: one held by another acquirer is passed over), and the
         token is the head's floor plus the next value of a sequence — distinct, in the
         order the grants take them, above every token the key had before its permits.
+
+        The grant's times (``acquired_at``, its expiry, its event) are the clock read once,
+        after the statement took its snapshot: ``statement_timestamp()`` is older than the
+        snapshot, and a release committed in between is seen — the grant must not start
+        before it.
         """
         assert request.limit is not None
         delivery = request.delivery
@@ -497,7 +511,9 @@ class PostgreSQL(SQLDialect):
         )
         same = "l.released_at IS NULL AND l.task_id = %s AND l.task_id <> ''"
         rows = self._unless_conflicting(
-            f"""WITH head AS (
+            f"""WITH clock AS MATERIALIZED (  -- read after the snapshot (the docstring)
+                    SELECT clock_timestamp() AS now),
+                head AS (
                     SELECT token, permits FROM {LEASE}
                     WHERE key = %s AND permits >= %s AND released_at IS NOT NULL),
                 names AS (
@@ -526,8 +542,10 @@ class PostgreSQL(SQLDialect):
                     UPDATE {LEASE} l SET
                         token = (SELECT token FROM head) + nextval('{SEQUENCE}'),
                         owner = %s, task_id = %s, task_name = %s,
-                        acquired_at = statement_timestamp(), renewed_at = statement_timestamp(),
-                        expires_at = {self.expiry("%s")}, released_at = NULL,
+                        acquired_at = (SELECT now FROM clock),
+                        renewed_at = (SELECT now FROM clock),
+                        expires_at = {self.expiry("%s", "(SELECT now FROM clock)")},
+                        released_at = NULL,
                         release_state = '',
                         reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
                         job = %s,
@@ -546,7 +564,7 @@ class PostgreSQL(SQLDialect):
                     INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
                     SELECT g.id, CASE WHEN g.reclaimed_from = ''
                                       THEN {SQL_ACQUIRED} ELSE {SQL_RECLAIMED} END,
-                           g.token, %s, %s, statement_timestamp(),
+                           g.token, %s, %s, (SELECT now FROM clock),
                            CASE WHEN g.reclaimed_from = '' THEN '{{}}'::jsonb ELSE
                            jsonb_build_object('previous_owner', g.reclaimed_from,
                                               'previous_token', p.token,

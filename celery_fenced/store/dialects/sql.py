@@ -156,8 +156,7 @@ class SQLDialect(PortableOperations):
             {proposed}
             ON CONFLICT (key) DO UPDATE SET
                 token = l.token + 1, owner = excluded.owner, task_id = excluded.task_id,
-                task_name = excluded.task_name, acquired_at = excluded.acquired_at,
-                renewed_at = excluded.renewed_at, expires_at = excluded.expires_at,
+                task_name = excluded.task_name, {self._conflict_times()},
                 released_at = NULL, release_state = '',
                 reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
                 job = excluded.job,
@@ -168,6 +167,13 @@ class SQLDialect(PortableOperations):
             f" AND l.token = (SELECT s.token FROM {LEASE} s WHERE s.key = %s)" if unchanged else ""
         }
             RETURNING id, token, expires_at, reclaimed_from, completed_digest"""
+
+    def _conflict_times(self) -> str:
+        """The conflict clause's times of a grant: the proposed row's, by default."""
+        return (
+            "acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at, "
+            "expires_at = excluded.expires_at"
+        )
 
     def _completed_sql(self) -> str:
         """The ``Completion`` rows that make a delivery a completed duplicate.
