@@ -310,11 +310,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 )
 
             # before the grant (track_started's STARTED): a database restart is waited
-            # through, as for a final outcome, not turned into the job's FAILURE
+            # through, as for a final outcome, not turned into the job's FAILURE. A state
+            # that is not final never replaces a final outcome (a lost grant's RETRY
+            # after the reclaimer recorded the expired job's REVOKED)
             self._through_outages(
                 task_id,
                 self._untokened_aliases(),
-                lambda: self._untokened(task_id, status, request, write),
+                lambda: self._untokened(
+                    task_id, status, request, write, over_final=status in states.READY_STATES
+                ),
             )
             return result
         if getattr(request, "_fenced_proven", None) is lease:

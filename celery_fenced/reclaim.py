@@ -21,6 +21,7 @@ JSON only: nothing read from the database is ever unpickled.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from django.dispatch import Signal
 
     from celery_fenced import store
+    from celery_fenced.store import Delivery
 
 
 class RunningTask(Protocol):
@@ -219,9 +221,9 @@ def _queue_name(app: Celery, exchange: str | None, routing_key: str | None) -> s
     return None
 
 
-def expired(app: Celery, job: Job) -> bool:
-    """Whether ``job``'s ``expires`` has passed, by the app's clock (as a worker judges a
-    message it receives)."""
+def expired(job: Job, now: dt.datetime) -> bool:
+    """Whether ``job``'s ``expires`` is ``now`` or earlier (the database's time: every
+    expiry decision is the database's, whatever the clocks of workers and reclaimers)."""
     value = job.options.get("expires")
     if not value:
         return False
@@ -229,7 +231,17 @@ def expired(app: Celery, job: Job) -> bool:
         moment = maybe_iso8601(value)
     except (TypeError, ValueError):  # not a moment: the worker would not expire it either
         return False
-    return moment is not None and maybe_make_aware(moment) <= app.now()
+    return moment is not None and maybe_make_aware(moment) <= now
+
+
+def delivery_of(task_id: str, job: Job) -> Delivery:
+    """The delivery a copy of ``job``'s message is (its task id, digest and retries)."""
+    from celery_fenced import keys, store
+
+    retries = int(job.options.get("retries") or 0)
+    return store.Delivery(
+        task_id, keys.message_digest(task_id, job.task, job.args, job.kwargs), retries
+    )
 
 
 def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -> None:
@@ -308,13 +320,16 @@ def reclaim_expired(
             max_attempts=settings.reclaim_max,
             limit=limit,
         )
-        batch = [_handle(app, alias, claim, settings.reclaim_max) for claim in claims]
+        now = store.database_now(alias) if claims else None
+        batch = [_handle(app, alias, claim, settings.reclaim_max, now) for claim in claims]
         outcomes += batch
         if len(claims) < limit or any(o.action == "failed" for o in batch):
             return outcomes
 
 
-def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> Reclaimed:
+def _handle(
+    app: Celery, alias: str, claim: store.Claim, max_attempts: int, now: dt.datetime | None
+) -> Reclaimed:
     from celery_fenced import store
     from celery_fenced.models import ReclaimState
 
@@ -333,7 +348,7 @@ def _handle(app: Celery, alias: str, claim: store.Claim, max_attempts: int) -> R
         unreadable = ""
     except ValueError as exc:
         job, unreadable = None, f"unreadable job: {exc}"
-    if job is not None and expired(app, job):
+    if job is not None and now is not None and expired(job, now):
         return _revoke(app, alias, claim, job, outcome)
     if claim.state == ReclaimState.ABANDONED:
         logger.error(
@@ -409,6 +424,9 @@ def _revoke(
             ended = store.end_claimed(alias, claim, EXPIRED)
             if ended:
                 record_revoked(app, claim.task_id, claim.task_name, job)
+                # REVOKED is the job's outcome: a copy of its message that a worker runs
+                # later (its clock behind the database's) is a completed duplicate
+                store.mark_ended(alias, delivery_of(claim.task_id, job))
     except Exception as exc:
         logger.warning(
             "lease %r: task %s[%s] expired, but its REVOKED outcome could not be recorded "
@@ -458,20 +476,25 @@ def _preview(
     from celery_fenced import store
     from celery_fenced.models import ReclaimState
 
+    claims = store.expired_unfinished(
+        alias, grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+    )
+    now = store.database_now(alias) if claims else None
+
+    def action(claim: store.Claim) -> tuple[str, str]:
+        try:
+            job = decode_job(claim.job)
+        except ValueError as exc:
+            return "abandoned", f"unreadable job: {exc}"
+        if now is not None and expired(job, now):
+            return "revoked", "expired"
+        if claim.state == ReclaimState.RESENT:
+            return "resent", ""
+        return claim.state, "too many re-sends"
+
     return [
-        Reclaimed(
-            c.key,
-            c.task_id,
-            c.task_name,
-            c.token,
-            c.attempts,
-            c.state,
-            "" if c.state == ReclaimState.RESENT else "too many re-sends",
-            dry_run=True,
-        )
-        for c in store.expired_unfinished(
-            alias, grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
-        )
+        Reclaimed(c.key, c.task_id, c.task_name, c.token, c.attempts, *action(c), dry_run=True)
+        for c in claims
     ]
 
 

@@ -187,24 +187,27 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """READ COMMITTED: the takeover's ON CONFLICT updates the row's *latest* version, but
-    ``_displaced`` reads the row from the statement's snapshot. D's takeover statement
-    takes its snapshot (A's expired grant) while C's takeover of A waits for the row; C
-    commits a grant that has run out by D's statement clock (C waited longer than its
-    ttl for the row lock); D's ON CONFLICT takes C's grant over, ``reclaimed_from`` = C,
-    and its CTE would hand A's job (already handed over by C) to the outbox, not C's —
-    C's job lost if C's worker dies. The takeover grants only over the row its snapshot
-    read; refused, it is tried again from a new snapshot and hands C's job over.
+    ``_displaced`` reads the row from the statement's snapshot. C takes A's expired grant
+    over in a transaction that commits late (its process paused before the commit), after
+    its short grant has run out; D's takeover statement takes its snapshot (A's expired
+    grant) and waits for the row; C commits; D's ON CONFLICT takes C's expired grant over,
+    ``reclaimed_from`` = C, and its CTE would hand A's job (already handed over by C) to
+    the outbox, not C's — C's job lost if C's worker dies. The takeover grants only over
+    the row its snapshot read; refused, it is tried again from a new snapshot and hands
+    C's job over.
 
     The routine statement is skipped (as for a D paused between its two statements:
-    its takeover statement then takes its snapshot while C's still waits)."""
+    its takeover statement then takes its snapshot while C's is uncommitted)."""
     import threading
-    import time
 
-    from celery_fenced import acquire
+    from django.db import connections, transaction
+
+    from celery_fenced import acquire, store
     from celery_fenced.reclaim import Job, encode_job
     from celery_fenced.store.dialects.postgresql import PostgreSQL
-    from tests.conftest import side_connection
+    from tests.conftest import wait_until_blocked
     from tests.integration.test_reclaim import expire as expire_key
+    from tests.integration.test_seams import wait_for
 
     alias = "postgres"
     monkeypatch.setattr(PostgreSQL, "_routine_grant", lambda self, request: None)
@@ -215,45 +218,41 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
     acquire("k", ttl=30, task_id="a", task_name="app.tasks.rebuild", job=job("a"), using=alias)
     expire_key(alias, "k")
     errors: list[BaseException] = []
+    c_granted: list[Any] = []
+    c_commits = threading.Event()
 
-    def take(task_id: str, ttl: float) -> None:
+    def take(task_id: str, ttl: float) -> Any:
+        return acquire(
+            "k",
+            ttl=ttl,
+            task_id=task_id,
+            task_name="app.tasks.rebuild",
+            job=job(task_id),
+            using=alias,
+        )
+
+    def run(body: Any) -> None:
         try:
-            acquire(
-                "k",
-                ttl=ttl,
-                task_id=task_id,
-                task_name="app.tasks.rebuild",
-                job=job(task_id),
-                using=alias,
-            )
+            body()
         except BaseException as exc:
             errors.append(exc)
         finally:
-            from django.db import connections
-
             connections.close_all()
 
-    def waiting() -> int:
-        with side_connection(alias) as watcher:
-            row = watcher.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            ).fetchone()
-            return int(row[0])
+    def c_body() -> None:
+        with transaction.atomic(using=alias):
+            c_granted.append(take("c", 0.3))
+            assert c_commits.wait(60)
 
-    with side_connection(alias) as blocker:
-        blocker.autocommit = False
-        blocker.execute("SELECT 1 FROM celery_fenced_lease WHERE key = 'k' FOR UPDATE")
-        c = threading.Thread(target=take, args=("c", 0.3))
-        c.start()
-        while waiting() < 1:
-            time.sleep(0.01)
-        time.sleep(0.5)  # C's grant, when it comes, has run out by D's statement clock
-        d = threading.Thread(target=take, args=("d", 30))
-        d.start()
-        while waiting() < 2:
-            time.sleep(0.01)
-        blocker.commit()
+    c = threading.Thread(target=run, args=(c_body,))
+    c.start()
+    (granted,) = wait_for(lambda: c_granted, "C's grant")
+    # C's grant has run out by D's statement clock before D starts
+    wait_for(lambda: store.database_now(alias) > granted.expires_at, "C's grant to run out")
+    d = threading.Thread(target=run, args=(lambda: take("d", 30),))
+    d.start()
+    wait_until_blocked(alias, d)  # D's snapshot taken, waiting for C's row
+    c_commits.set()
     c.join(60)
     d.join(60)
     assert not c.is_alive(), "C is still waiting"

@@ -16,8 +16,9 @@ import pytest
 from celery import chord
 from django_celery_results.models import ChordCounter, TaskResult
 
+from celery_fenced import reclaim, store
 from celery_fenced.models import Lease, LeaseEvent
-from celery_fenced.reclaim import EXPIRED, Job, expired, reclaim_expired
+from celery_fenced.reclaim import EXPIRED, reclaim_expired
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_seams import (
     RUNS,
@@ -43,9 +44,9 @@ def expiring(broker: Broker) -> dt.datetime:
     return broker.app.now() + dt.timedelta(seconds=EXPIRES)
 
 
-def until_expired(broker: Broker, moment: dt.datetime) -> None:
-    job = Job("seams.step", [], {}, {"expires": moment.isoformat()})
-    wait_for(lambda: expired(broker.app, job), "the job's expiry")
+def until_expired(lease_db: str, moment: dt.datetime) -> None:
+    """Until the job's expiry has passed by the database's clock (the reclaimer's judge)."""
+    wait_for(lambda: store.database_now(lease_db) >= moment, "the job's expiry")
 
 
 def sent_steps(broker: Broker) -> int:
@@ -69,7 +70,10 @@ def test_expired_job__revoked_not_sent_again_and_its_stopped_holder_changes_noth
     # the claim after the last re-send allowed abandons the grant: an expired job is
     # revoked all the same, never left without an outcome
     Lease.objects.using(lease_db).filter(pk=lease.pk).update(reclaim_attempts=resends)
-    until_expired(broker, moment)
+    until_expired(lease_db, moment)
+    (preview,) = reclaim_expired(app, grace=0, using=lease_db, dry_run=True)
+    assert (preview.action, preview.dry_run) == ("revoked", True)  # and nothing done:
+    assert Lease.objects.using(lease_db).get(pk=lease.pk).released_at is None
     (outcome,) = reclaim_expired(app, grace=0, using=lease_db)
     assert (outcome.task_id, outcome.action) == (task_id, "revoked")
     assert sent_steps(broker) == 1  # never sent again
@@ -107,7 +111,7 @@ def test_expired_chord_member__counted_once__its_stopped_holder_counts_nothing(
     task_id = first[0]["id"]
     a = Execution(app, first, "A")
     expire(lease_db, granted(lease_db, task_id, 1))
-    until_expired(broker, moment)
+    until_expired(lease_db, moment)
     assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["revoked"]
     a.finish()
     counter = ChordCounter.objects.using(lease_db).get()
@@ -134,3 +138,119 @@ def test_job_not_expired__sent_again_as_before(broker: Broker, lease_db: str) ->
     deliver(app, resent)
     a.finish()
     assert status(lease_db, task_id) == ("SUCCESS", '"y@2"')
+
+
+def test_copy_run_after_the_revoke__a_duplicate__revoked_stands_and_its_chord_counts_once(
+    broker: Broker, lease_db: str
+) -> None:
+    """A copy of the message that a worker runs after the reclaimer's REVOKED (its clock
+    behind, it did not find the message expired) is a completed duplicate: it runs no
+    body, records nothing over REVOKED and counts nothing in the chord."""
+    app = broker.app
+    moment = expiring(broker)
+    header = [
+        app.signature("seams.step", ("a",)).set(expires=moment),
+        app.signature("seams.step", ("b",)),
+    ]
+    chord(header, app.signature("seams.sink")).apply_async()
+    first, _second = broker.sent("seams.step")
+    task_id = first[0]["id"]
+    a = Execution(app, first, "A")
+    expire(lease_db, granted(lease_db, task_id, 1))
+    until_expired(lease_db, moment)
+    assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["revoked"]
+    a.finish()
+    deliver(app, first)  # the late copy
+    assert status(lease_db, task_id)[0] == "REVOKED"
+    assert ChordCounter.objects.using(lease_db).get().count == 1
+    assert [run[1] for run in RUNS if run[0] == "seams.step"] == ["a"]
+
+
+def test_expiry_judged_by_the_database_clock__not_the_reclaimers(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN: every expiry decision is the database's. A reclaimer whose clock is an hour
+    behind still revokes a job whose ``expires`` has passed by the database's clock."""
+    app = broker.app
+    moment = expiring(broker)
+    app.signature("seams.step", ("x",)).apply_async(expires=moment)
+    message = broker.one("seams.step")
+    task_id = message[0]["id"]
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, task_id, 1))
+    until_expired(lease_db, moment)
+    behind = app.now() - dt.timedelta(hours=1)
+    monkeypatch.setattr(app, "now", lambda: behind)
+    assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["revoked"]
+    assert sent_steps(broker) == 1
+    a.finish()
+    assert status(lease_db, task_id)[0] == "REVOKED"
+
+
+def test_revoke_that_fails_once__after_max_resends__tried_again_by_the_next_sweep(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim after the last re-send allowed marks the grant abandoned; when recording
+    the expired job's REVOKED fails, the grant goes back to the next sweep, which revokes
+    it: the job is not left without an outcome."""
+    app = broker.app
+    moment = expiring(broker)
+    app.signature("seams.step", ("x",)).apply_async(expires=moment)
+    message = broker.one("seams.step")
+    task_id = message[0]["id"]
+    a = Execution(app, message, "A")
+    lease = granted(lease_db, task_id, 1)
+    expire(lease_db, lease)
+    Lease.objects.using(lease_db).filter(pk=lease.pk).update(reclaim_attempts=3)
+    until_expired(lease_db, moment)
+    real = reclaim.record_revoked
+    failures = [RuntimeError("the result database is away")]
+
+    def record_revoked(*args: Any, **kwargs: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(reclaim, "record_revoked", record_revoked)
+    assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["failed"]
+    row = Lease.objects.using(lease_db).get(pk=lease.pk)
+    assert (row.released_at, row.reclaim_state) == (None, "")  # claimable again
+    assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["revoked"]
+    assert status(lease_db, task_id)[0] == "REVOKED"
+    assert sent_steps(broker) == 1
+    a.finish()
+    assert status(lease_db, task_id)[0] == "REVOKED"
+
+
+def test_lost_grant_retry_racing_the_revoke__writes_no_retry_over_revoked(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder learns its grant expired and finds it unclaimed, so it retries the job;
+    the reclaimer revokes the expired job in between. The holder's RETRY is refused over
+    REVOKED, and its retry message is a completed duplicate that runs nothing."""
+    app = broker.app
+    moment = expiring(broker)
+    app.signature("seams.lost", ("x",)).apply_async(expires=moment)
+    message = broker.one("seams.lost")
+    task_id = message[0]["id"]
+    a = Execution(app, message, "A")
+    expire(lease_db, granted(lease_db, task_id, 1))
+    until_expired(lease_db, moment)
+    real = store.expired_unclaimed
+    revoked: list[str] = []
+
+    def expired_unclaimed(lease: Any) -> bool:
+        unclaimed = real(lease)
+        # the reclaimer runs between the holder's check and its RETRY
+        revoked.extend(o.action for o in reclaim_expired(app, grace=0, using=lease_db))
+        return unclaimed
+
+    monkeypatch.setattr(store, "expired_unclaimed", expired_unclaimed)
+    a.finish()
+    assert revoked == ["revoked"]
+    assert status(lease_db, task_id)[0] == "REVOKED"
+    retried = broker.sent("seams.lost")[1:]
+    assert len(retried) == 1  # the holder's retry went out
+    deliver(app, retried[0])
+    assert status(lease_db, task_id)[0] == "REVOKED"
+    assert [run[1] for run in RUNS if run[0] == "seams.lost"] == ["x"]

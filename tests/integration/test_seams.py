@@ -99,6 +99,14 @@ def make_app() -> Celery:
         token = self.request.fencing_token
         return fenced_update(Report.objects.filter(pk=report_id), token=token, body="x")
 
+    @app.task(name="seams.lost", bind=True, base=FencedTask, shared=False, lease_ttl=30)
+    def lost(self: Any, value: str) -> str:
+        """Learns through the gate that its grant is gone (as the renewer tells it)."""
+        _gate("seams.lost", value)
+        self.lease.mark_lost("its grant expired")
+        self.lease.check()
+        return value
+
     @app.task(name="seams.sink", shared=False)
     def sink(*values: Any) -> list[Any]:
         RUNS.append(("seams.sink", values, threading.current_thread().name))

@@ -159,7 +159,8 @@ class Dialect(abc.ABC):
 
     @abc.abstractmethod
     def unclaim(self, claim: Claim) -> bool:
-        """Undo a claim whose job could not be sent, so that the next sweep tries again."""
+        """Undo a claim whose job could not be sent (or, expired, revoked), so that the
+        next sweep tries again."""
 
     @abc.abstractmethod
     def abandon(self, claim: Claim, reason: str) -> bool:

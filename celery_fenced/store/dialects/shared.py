@@ -6,7 +6,7 @@ import datetime as dt
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Case, Exists, F, OuterRef, Q, When
 from django.db.models.functions import Greatest, Now
 
 from celery_fenced.models import Lease, LeaseEvent, PendingJob, ReclaimState
@@ -345,10 +345,22 @@ class PortableOperations(Dialect, PermitGrants):
         )
 
     def unclaim(self, claim: Claim) -> bool:
+        # an abandoned claim too (an expired job's, whose REVOKED could not be recorded:
+        # it is revoked, not abandoned); its re-send count was not raised
+        resent = Q(reclaim_state=ReclaimState.RESENT)
         return bool(
             Lease._default_manager.using(self.alias)
-            .filter(pk=claim.lease_id, token=claim.token, reclaim_state=ReclaimState.RESENT)
-            .update(reclaim_state="", reclaim_attempts=Greatest(F("reclaim_attempts") - 1, 0))
+            .filter(resent | Q(reclaim_state=ReclaimState.ABANDONED))
+            .filter(pk=claim.lease_id, token=claim.token)
+            .update(
+                # first: MySQL assigns in order, and the condition reads reclaim_state
+                reclaim_attempts=Case(
+                    When(resent, then=Greatest(F("reclaim_attempts") - 1, 0)),
+                    default=F("reclaim_attempts"),
+                    output_field=Lease._meta.get_field("reclaim_attempts"),
+                ),
+                reclaim_state="",
+            )
         )
 
     def abandon(self, claim: Claim, reason: str) -> bool:
