@@ -59,8 +59,8 @@ class PostgreSQL(SQLDialect):
     def json_int(self, column: str, name: str) -> str:
         return f"({column} ->> '{name}')::bigint"
 
-    def expiry(self, ttl_sql: str, start: str = "statement_timestamp()") -> str:
-        return f"({start} + ({ttl_sql})::float8 * interval '1 second')"
+    def expiry(self, ttl_sql: str) -> str:
+        return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
 
     def _conflict_times(self) -> str:
         # the conflict clause runs once the row is locked: a release this grant waited for
@@ -544,7 +544,8 @@ class PostgreSQL(SQLDialect):
                         owner = %s, task_id = %s, task_name = %s,
                         acquired_at = (SELECT now FROM clock),
                         renewed_at = (SELECT now FROM clock),
-                        expires_at = {self.expiry("%s", "(SELECT now FROM clock)")},
+                        expires_at = (SELECT now FROM clock)
+                                     + (%s)::float8 * interval '1 second',
                         released_at = NULL,
                         release_state = '',
                         reclaimed_from = CASE WHEN l.released_at IS NULL THEN l.owner ELSE '' END,
