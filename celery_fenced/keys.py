@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import hashlib
 import inspect
@@ -104,16 +105,24 @@ def message_digest(
     """A digest of one job: its task id and message (task name and arguments).
 
     A redelivered or re-sent message has the same; a task id reused for a new job with
-    other arguments has another. Arguments JSON cannot carry are hashed by their
-    ``repr``: at worst such a job is not recognised as a duplicate and runs again.
+    other arguments has another. An aware datetime is hashed as its UTC moment (a
+    ``ZoneInfo`` one comes back from JSON with a fixed offset: the same moment); other
+    arguments JSON cannot carry by their ``repr``: at worst such a job is not recognised
+    as a duplicate and runs again.
     """
     payload = json.dumps(
         [task_id, task_name, list(args), dict(kwargs)],
         sort_keys=True,
         separators=(",", ":"),
-        default=repr,
+        default=_moment_or_repr,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _moment_or_repr(value: Any) -> str:
+    if isinstance(value, dt.datetime) and value.utcoffset() is not None:
+        return value.astimezone(dt.timezone.utc).isoformat()
+    return repr(value)
 
 
 def render_key(

@@ -232,3 +232,24 @@ def test_named_arguments__signatures_kept_per_function_and_bound_method() -> Non
         assert named_arguments(other, ("a",), {}) == {"name": "a", "count": 2}
     with pytest.raises(TypeError):
         named_arguments(other, (), {"nosuch": 1})
+
+
+def test_message_digest__a_zoneinfo_datetime_and_its_json_round_trip_are_one_job() -> None:
+    """A recorded job comes back from JSON with a fixed-offset datetime; a copy of a pickled
+    message keeps its ``ZoneInfo``: the reclaimer's revoke must name the copy's delivery."""
+    import datetime as dt
+    import zoneinfo
+    from types import SimpleNamespace
+
+    from celery_fenced import execution, reclaim
+
+    when = dt.datetime(2024, 1, 1, tzinfo=zoneinfo.ZoneInfo("Europe/Paris"))
+    args, kwargs = (when,), {"at": when}
+    recorded = reclaim.decode_job(
+        reclaim.encode_job(reclaim.Job("t", list(args), dict(kwargs), {"retries": 0}))
+    )
+    late_copy = execution.delivery_of("tid", "t", args, kwargs, SimpleNamespace(retries=0))
+    assert reclaim.delivery_of("tid", recorded) == late_copy
+    later = when + dt.timedelta(hours=1)
+    other = execution.delivery_of("tid", "t", (later,), kwargs, SimpleNamespace(retries=0))
+    assert other.digest != late_copy.digest  # another moment, another job
