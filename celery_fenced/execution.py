@@ -8,7 +8,7 @@ import operator
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from billiard.einfo import ExceptionInfo
@@ -154,7 +154,7 @@ class FencedExecution:
         task_id = request.id or ""
         alias = store.database_alias()
         try:
-            key = keys.render_key(self.name, options.key, self.run, args, kwargs)
+            key = self._lease_key_of(request, options, args, kwargs)
             lease = self._take_lease(key, options, alias, task_id, args, kwargs)
         except LeaseBusy as busy:
             if options.on_busy != "retry" and options.outbox and task_id:
@@ -207,6 +207,44 @@ class FencedExecution:
             if request.called_directly:  # task(...) outside a tracer: nobody else releases
                 self._fenced_release("")
 
+    def _lease_key_of(
+        self,
+        request: Any,
+        options: conf.TaskOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> str:
+        """The key this execution runs under: the one its message carries, decided where
+        the job was published; else (a message from a publisher that did not decide it,
+        a direct or eager call) rendered from the arguments as they arrived."""
+        carried = keys.carried_key(_message_headers(request))
+        if carried is not None:
+            return carried
+        return keys.render_key(self.name, options.key, self.run, args, kwargs)
+
+    def publish_key(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> str | None:
+        """The lease key of a job of this task being published with ``options``, decided
+        now, once, for every copy of its message (:data:`keys.KEY_HEADER`): the key the
+        options' headers already carry (a retry's, a re-send's), the running lease's for
+        a retry of the running job, else rendered from the arguments as the message
+        carries them. None when the arguments give no key: the worker reports that."""
+        from celery_fenced import outbox
+
+        carried = keys.carried_key(_headers_option(options))
+        if carried is not None:
+            return carried
+        running = getattr(self.request, "lease_key", None)
+        if outbox.is_same_job() and running and self.request.id == options.get("task_id"):
+            return str(running)
+        serializer = options.get("serializer") or getattr(self, "serializer", None) or "json"
+        try:
+            spec = self.fenced_options().key
+            return keys.publish_key(
+                self.name, spec, self.run, args or (), kwargs or {}, serializer
+            )
+        except Exception:
+            return None
+
     def _backend_is_fenced(self) -> bool:
         from celery_fenced.backends import FencedDatabaseBackend
 
@@ -230,8 +268,16 @@ class FencedExecution:
         from celery_fenced import outbox
 
         plain = super().apply_async  # type: ignore[misc]
-        if more or self.app.conf.task_always_eager or not self.fenced_options().outbox:
+        if self.app.conf.task_always_eager:
             return plain(args, kwargs, task_id, *more, **options)
+        from celery.utils import uuid
+
+        chosen = task_id or uuid()
+        key = self.publish_key(args, kwargs, {**options, "task_id": chosen})
+        if key is not None:  # every copy of the message runs under it
+            options["headers"] = {**_headers_option(options), keys.KEY_HEADER: key}
+        if more or not self.fenced_options().outbox:
+            return plain(args, kwargs, chosen, *more, **options)
         if outbox.sends_at_once():
             logger.info(
                 "task %s[%s]: sent at once, unrecorded (a retry, a replacement or a re-send "
@@ -240,10 +286,7 @@ class FencedExecution:
                 task_id,
                 extra={"task_id": task_id},
             )
-            return plain(args, kwargs, task_id, **options)
-        from celery.utils import uuid
-
-        chosen = task_id or uuid()
+            return plain(args, kwargs, chosen, **options)
         to_parent = options.pop("add_to_parent", True)
 
         def send(deferred: bool) -> Any:
@@ -252,7 +295,7 @@ class FencedExecution:
             kept = {k: v for k, v in options.items() if k not in lent}
             return plain(args, kwargs, chosen, add_to_parent=False, **kept)
 
-        result = outbox.publish(self, args, kwargs, chosen, options, send)
+        result = outbox.publish(self, args, kwargs, chosen, options, send, key=key or "")
         if to_parent:  # the trail, as Celery's send_task keeps it: now, not at the commit
             parent = self.app.current_worker_task
             if parent is not None:
@@ -349,7 +392,7 @@ class FencedExecution:
         retries = int(getattr(request, "retries", 0) or 0)
         delivery = self._delivery(task_id, args, kwargs) if task_id else None
         # what the reclaimer needs to send the job again, written by the grant itself
-        job = reclaim.job_for(self, args, kwargs) if options.reclaim else None
+        job = reclaim.job_for(self, args, kwargs, key) if options.reclaim else None
         try:
             return store.acquire(
                 key,
@@ -577,6 +620,22 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
         validate_task_class(cls)
 
 
+def _headers_option(options: Mapping[str, Any]) -> dict[str, Any]:
+    headers = options.get("headers")
+    return dict(headers) if isinstance(headers, Mapping) else {}
+
+
+def _message_headers(request: Any) -> Mapping[str, Any]:
+    """The custom headers of the message ``request`` runs: Celery's worker makes each an
+    attribute of the request (``request.headers`` holds them on Celery 5.5 and later)."""
+    fields = vars(request)
+    headers = fields.get("headers")
+    found = dict(headers) if isinstance(headers, Mapping) else {}
+    if keys.KEY_HEADER in fields:
+        found[keys.KEY_HEADER] = fields[keys.KEY_HEADER]
+    return found
+
+
 def execution_owner(request: Any) -> str:
     """The lease owner of an execution of ``request`` in this thread: ``host:pid:thread``."""
     host = getattr(request, "hostname", None) or "local"
@@ -584,10 +643,18 @@ def execution_owner(request: Any) -> str:
 
 
 def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:
-    """One delivery of a job: its task id, message digest and retry count as the body sees
-    it (``request.retries``; the package's own re-sends keep it). The execution and the
-    worker's main process reporting its end both name it so, with the message's arguments."""
+    """One delivery of a job: its task id, message digest (with its replacement count) and
+    retry count as the body sees it (``request.retries``; the package's own re-sends keep
+    it). The execution and the worker's main process reporting its end both name it so,
+    with the message's arguments."""
     from celery_fenced import store
 
     retries = int(getattr(request, "retries", 0) or 0)
-    return store.Delivery(task_id, keys.message_digest(task_id, task_name, args, kwargs), retries)
+    nesting = _count(getattr(request, "replaced_task_nesting", 0))
+    digest = keys.message_digest(task_id, task_name, args, kwargs, nesting)
+    return store.Delivery(task_id, digest, retries)
+
+
+def _count(value: Any) -> int:
+    """A count a message carries (Celery's ``replaced_task_nesting``); 0 when it is none."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

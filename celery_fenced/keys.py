@@ -11,6 +11,8 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kombu import serialization
+
 from celery_fenced import permits
 from celery_fenced.exceptions import FencedConfigurationError, InvalidLeaseKey
 from celery_fenced.models import KEY_MAX_LENGTH
@@ -100,18 +102,28 @@ def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) 
 
 
 def message_digest(
-    task_id: str, task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]
+    task_id: str,
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    nesting: int = 0,
 ) -> str:
-    """A digest of one job: its task id and message (task name and arguments).
+    """A digest of one job: its task id and message (task name and arguments), and how
+    many times it was replaced (``nesting``, Celery's ``replaced_task_nesting``).
 
     A redelivered or re-sent message has the same; a task id reused for a new job with
-    other arguments has another. An aware datetime is hashed as its UTC moment (a
+    other arguments has another, and so has the replacement of a task by a signature of
+    itself (``Task.replace`` keeps the task id: the replacement is the next step of the
+    job, not a copy of the message it replaced). An aware datetime is hashed as its UTC moment (a
     ``ZoneInfo`` one comes back from JSON with a fixed offset: the same moment); other
     arguments JSON cannot carry by their ``repr``: at worst such a job is not recognised
     as a duplicate and runs again.
     """
+    job: list[Any] = [task_id, task_name, list(args), dict(kwargs)]
+    if nesting:  # a job never replaced keeps the digest it always had
+        job.append(nesting)
     payload = json.dumps(
-        [task_id, task_name, list(args), dict(kwargs)],
+        job,
         sort_keys=True,
         separators=(",", ":"),
         default=_moment_or_repr,
@@ -162,6 +174,48 @@ def render_key(
             ) from None
     check_key(key, f"task {task_name!r}: the lease key")
     return key
+
+
+#: the message header that carries a job's lease key, decided once where the job is
+#: published and kept by every copy of its message (a redelivery, a retry, the outbox's
+#: and the reclaimer's re-sends): a worker runs the job under it instead of working the
+#: key out again from arguments that may have changed shape in the message (a tuple
+#: arrives as a list, a dict's int keys as strings)
+KEY_HEADER = "fenced_lease_key"
+
+
+def as_carried(args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` as a worker decodes them from a message written with
+    ``serializer``: the arguments a key is worked out from, at publish as at run time."""
+    content_type, encoding, data = serialization.dumps([list(args), dict(kwargs)], serializer)
+    carried = serialization.loads(data, content_type, encoding, accept={content_type})
+    return carried[0], carried[1]
+
+
+def publish_key(
+    task_name: str,
+    spec: Any,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    serializer: str,
+) -> str:
+    """The lease key of a job being published: :func:`render_key` over its arguments as
+    its message carries them (the default key hashes their JSON, the same either way)."""
+    if spec is not None:
+        args, kwargs = as_carried(args, kwargs, serializer)
+    return render_key(task_name, spec, run, args, kwargs)
+
+
+def carried_key(headers: Mapping[str, Any] | None) -> str | None:
+    """The key a message's ``headers`` carry (:data:`KEY_HEADER`), checked; None when
+    they carry none."""
+    if not headers:
+        return None
+    key = headers.get(KEY_HEADER)
+    if key is None:
+        return None
+    return check_key(key, f"the {KEY_HEADER} header of the message")
 
 
 def check_key(key: object, subject: str = "key") -> str:

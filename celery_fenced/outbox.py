@@ -27,7 +27,7 @@ from django.utils import timezone
 from kombu import serialization
 from kombu.exceptions import OperationalError
 
-from celery_fenced import keys, outages, reclaim, signals
+from celery_fenced import outages, reclaim, signals
 
 #: set while the package sends a message that must not wait for a commit: a retry or a
 #: replacement raised inside the caller's own transaction, which the raise rolls back
@@ -65,6 +65,11 @@ def sends_at_once() -> bool:
 #: set while a task re-publishes the job it is running (its retry): a ``lease_unique``
 #: job keeps its place rather than being refused as a copy of itself
 _same_job: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_same_job")
+
+
+def is_same_job() -> bool:
+    """Whether a publish now is the running job again (inside :func:`same_job`)."""
+    return _same_job.get(False)
 
 
 @contextlib.contextmanager
@@ -308,8 +313,13 @@ def publish(
     task_id: str,
     options: Mapping[str, Any],
     send: Callable[[bool], AsyncResult[Any]],
+    *,
+    key: str,
 ) -> AsyncResult[Any]:
     """Record the job of ``task`` and ``send(deferred)`` it when the lease database commits.
+
+    ``key``: the job's lease key, decided by the caller once for every copy of the job
+    (empty when its arguments give none).
 
     ``deferred``: the send waits for the caller's transaction (what the call lent, a
     producer, may be gone by then).
@@ -325,7 +335,7 @@ def publish(
     from celery_fenced import store
 
     alias = store.database_alias()
-    pending = _pending(task, args, kwargs, task_id, options)
+    pending = _pending(task, args, kwargs, task_id, options, key)
     if pending is None:
         handle: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
         sent: AsyncResult[Any] = _unrecorded(
@@ -359,6 +369,7 @@ def _pending(
     kwargs: Mapping[str, Any] | None,
     task_id: str,
     options: Mapping[str, Any],
+    key: str,
 ) -> store.Pending | None:
     """The outbox row of a fenced task's publish, or None when JSON cannot carry its job."""
     args, kwargs = list(args or ()), dict(kwargs or {})
@@ -369,7 +380,7 @@ def _pending(
         kwargs,
         task_id,
         options,
-        key=_key(task, args, kwargs),
+        key=key,
         unique=task.fenced_options().unique,
         # a retry is the same job; a call that carries a workflow (a chain's next steps,
         # callbacks, a chord or group it belongs to, a frozen id its caller holds) must
@@ -502,14 +513,6 @@ def _portable_headers(headers: Any) -> dict[str, Any]:
             continue
         kept[name] = value
     return kept
-
-
-def _key(task: FencedExecution, args: list[Any], kwargs: dict[str, Any]) -> str:
-    """The job's lease key, shown with the pending row; empty when the arguments give none."""
-    try:
-        return keys.render_key(task.name, task.fenced_options().key, task.run, args, kwargs)
-    except Exception:
-        return ""  # the execution reports it, with the arguments it was given
 
 
 def _seconds(value: Any) -> float | None:

@@ -80,6 +80,7 @@ OPTION_NAMES = frozenset(
         "soft_time_limit",
         "headers",
         "shadow",
+        "replaced_task_nesting",
     }
 )
 # request attribute -> send_task option, for the workflow a job belongs to
@@ -94,6 +95,7 @@ _REQUEST_OPTIONS = (
     ("chord", "chord"),
     ("expires", "expires"),
     ("retries", "retries"),
+    ("replaced_task_nesting", "replaced_task_nesting"),
 )
 
 
@@ -158,8 +160,11 @@ def decode_job(text: str) -> Job:
     return Job(task, args, kwargs, options)
 
 
-def job_for(task: RunningTask, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
-    """The job of the execution running ``task`` now, encoded; None if it cannot be re-sent.
+def job_for(
+    task: RunningTask, args: Sequence[Any], kwargs: Mapping[str, Any], key: str
+) -> str | None:
+    """The job of the execution running ``task`` now under lease ``key``, encoded (a copy
+    sent again runs under the same key); None if it cannot be re-sent.
 
     Eager and direct calls have no message to send again. Arguments that JSON cannot
     carry (a task using pickle) leave the job unrecorded, with a warning.
@@ -167,7 +172,11 @@ def job_for(task: RunningTask, args: Sequence[Any], kwargs: Mapping[str, Any]) -
     request = task.request
     if not request.id or getattr(request, "is_eager", False):
         return None
-    job = Job(task.name, list(args), dict(kwargs), _options(task, request))
+    from celery_fenced import keys  # its models need Django's app registry
+
+    options = _options(task, request)
+    options["headers"] = {keys.KEY_HEADER: key}
+    job = Job(task.name, list(args), dict(kwargs), options)
     try:
         return encode_job(job)
     except Exception as exc:
@@ -239,9 +248,9 @@ def delivery_of(task_id: str, job: Job) -> Delivery:
     from celery_fenced import keys, store
 
     retries = int(job.options.get("retries") or 0)
-    return store.Delivery(
-        task_id, keys.message_digest(task_id, job.task, job.args, job.kwargs), retries
-    )
+    nesting = int(job.options.get("replaced_task_nesting") or 0)
+    digest = keys.message_digest(task_id, job.task, job.args, job.kwargs, nesting)
+    return store.Delivery(task_id, digest, retries)
 
 
 def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -> None:

@@ -181,7 +181,8 @@ CELERY_TASK_SERIALIZER = "json"
 # the tests store results with pickle too (FENCED_RESULT_SERIALIZER=pickle)
 CELERY_RESULT_SERIALIZER = os.environ.get("FENCED_RESULT_SERIALIZER", "json")
 CELERY_RESULT_ACCEPT_CONTENT = sorted({"json", CELERY_RESULT_SERIALIZER})
-CELERY_ACCEPT_CONTENT = ["json"]
+# a worker that takes pickled jobs too (FENCED_ACCEPT_PICKLE=1), for the serializer tests
+CELERY_ACCEPT_CONTENT = ["json", *(["pickle"] if os.environ.get("FENCED_ACCEPT_PICKLE") else [])]
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_FENCED_TASKS: dict[str, dict[str, object]] = json.loads(
     os.environ.get("FENCED_TASKS_JSON", "{}")

@@ -126,3 +126,29 @@ class AuditedRequest(Request):  # type: ignore[misc]
 def probe_own_request(self: Any, seconds: float = 0.0, marker: str = "") -> dict[str, Any]:
     """``probe`` with a worker request class of its own."""
     return probe.run(seconds, marker)  # type: ignore[no-any-return]
+
+
+@shared_task(
+    bind=True,
+    base=FencedTask,
+    lease_key="batch:{ids}",
+    lease_ttl=30,
+    lease_unique=None if os.environ.get("FENCED_OUTBOX") == "0" else "until_done",
+)
+def sum_batch(self: Any, ids: Any) -> dict[str, Any]:
+    """A job keyed by a collection argument, queued once per key: its key as it ran."""
+    return {"key": self.request.lease_key, "token": self.request.fencing_token, "sum": sum(ids)}
+
+
+@shared_task(bind=True, base=FencedTask, lease_ttl=30)
+def poll(self: Any, label: str, until: int) -> Any:
+    """The usual polling loop: it replaces itself with the same signature until it has
+    polled ``until`` times (each poll a fenced ledger entry)."""
+    with self.lease.guard():
+        polls = LedgerEntry.objects.filter(job=label).count() + 1
+        LedgerEntry.objects.create(
+            job=label, effect=f"poll {polls}", token=self.request.fencing_token, worker=_worker()
+        )
+    if polls < until:
+        return self.replace(poll.si(label, until))
+    return {"label": label, "polls": polls}

@@ -17,9 +17,10 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_results.models import ChordCounter, TaskResult
 
-from celery_fenced.models import Lease, PendingJob
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from devtools.workers import broker_app, broker_url, lose_queued, queued, wait_for
+from testproject.demo.models import LedgerEntry
 from tests.acceptance.test_task_workers import result_of
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_outbox import rolled_back
@@ -277,3 +278,53 @@ def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
     assert results.count() == 2
     lease = Lease.objects.using(lease_db).get(key="digest:weekly")
     assert lease.events.filter(kind="deduplicated").count() == 5
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_until_done__a_job_with_a_tuple_argument_ends_and_the_next_call_queues(
+    lease_db: str, start_worker: Any, publisher: Any, serializer: str
+) -> None:
+    """The key a ``lease_unique`` job runs under is the one its outbox row was recorded
+    with, whatever shape its arguments take in the message: once it has run, the same
+    call queues a new job (it was refused forever when the worker worked out the key
+    again from the decoded arguments: ``batch:[1, 2]`` instead of ``batch:(1, 2)``)."""
+    start_worker("a", env={"FENCED_ACCEPT_PICKLE": "1"})
+    batch = publisher.tasks["testproject.demo.tasks.sum_batch"]
+    publisher.conf.accept_content = ["json", "pickle"]
+    calls = [((1, 2),), ({1: 1, 2: 2},), ((3, 4),)]
+    for args in calls:
+        first = batch.apply_async(args, serializer=serializer, queue=start_worker.queue)
+        recorded = PendingJob.objects.using(lease_db).get(task_id=first.id).key
+        status, value = result_of(lease_db, first.id, 90)
+        assert (status, value["key"]) == ("SUCCESS", recorded)
+        assert Lease.objects.using(lease_db).get(task_id=first.id).key == recorded
+        again = batch.apply_async(args, serializer=serializer, queue=start_worker.queue)
+        assert again.id != first.id  # the key was not left blocked
+        assert result_of(lease_db, again.id, 90)[1]["key"] == recorded
+    assert not LeaseEvent.objects.using(lease_db).filter(kind="deduplicated").exists()
+
+
+def test_replace_with_the_same_signature__every_poll_runs_and_the_chain_goes_on(
+    lease_db: str, start_worker: Any, publisher: Any
+) -> None:
+    """A fenced task that replaces itself with its own signature (the same task id, name
+    and arguments): each replacement runs — it was skipped as a completed duplicate of
+    the task it replaced, and the job never ended — and the chain's next step runs once."""
+    start_worker("a")
+    start_worker("b")
+    poll = publisher.tasks["testproject.demo.tasks.poll"]
+    effect = publisher.tasks[EFFECT]
+    result = chain(
+        poll.si("replaced", 3).set(queue=start_worker.queue),
+        effect.si("replaced", "after the polls").set(queue=start_worker.queue),
+    ).apply_async()
+    assert finished(lease_db, result.id) == "SUCCESS"
+    assert result_of(lease_db, result.parent.id)[1] == {"label": "replaced", "polls": 3}
+    effects = LedgerEntry.objects.using(lease_db).filter(job="replaced")
+    assert sorted(effects.values_list("effect", flat=True)) == [
+        "after the polls",
+        "poll 1",
+        "poll 2",
+        "poll 3",
+    ]
+    assert not LeaseEvent.objects.using(lease_db).filter(kind="duplicate").exists()

@@ -444,7 +444,7 @@ def test_job_for__records_routing_and_workflow_of_the_request() -> None:
     task = fake_task(
         app, callbacks=[link], chain=[link], root_id="root", parent_id="parent", retries=2
     )
-    job = decode_job(job_for(task, (1,), {"b": 2}) or "")
+    job = decode_job(job_for(task, (1,), {"b": 2}, "k") or "")
     assert (job.task, job.args, job.kwargs) == (TASK, [1], {"b": 2})
     assert job.options == {
         "queue": "reports",
@@ -456,19 +456,26 @@ def test_job_for__records_routing_and_workflow_of_the_request() -> None:
         "retries": 2,
         "time_limit": 60,
         "soft_time_limit": 50,
+        "headers": {"fenced_lease_key": "k"},  # a copy sent again runs under the same key
     }
 
 
 def test_job_for__unknown_exchange_keeps_exchange_and_routing_key() -> None:
     app = Celery("jobs", set_as_current=False)
     info = {"exchange": "topics", "routing_key": "a.b", "priority": None}
-    job = decode_job(job_for(fake_task(app, delivery_info=info, timelimit=None), (), {}) or "")
-    assert job.options == {"exchange": "topics", "routing_key": "a.b"}
+    task = fake_task(app, delivery_info=info, timelimit=None)
+    job = decode_job(job_for(task, (), {}, "k") or "")
+    assert job.options == {
+        "exchange": "topics",
+        "routing_key": "a.b",
+        "headers": {"fenced_lease_key": "k"},
+    }
 
 
 @pytest.mark.parametrize("request_", [{"is_eager": True}, {"id": None}])
 def test_job_for__eager_and_direct_calls_record_nothing(request_: dict[str, Any]) -> None:
-    assert job_for(fake_task(Celery("jobs", set_as_current=False), **request_), (), {}) is None
+    task = fake_task(Celery("jobs", set_as_current=False), **request_)
+    assert job_for(task, (), {}, "k") is None
 
 
 def test_job_for__arguments_json_cannot_carry_are_not_recorded(
@@ -476,7 +483,7 @@ def test_job_for__arguments_json_cannot_carry_are_not_recorded(
 ) -> None:
     task = fake_task(Celery("jobs", set_as_current=False))
     with caplog.at_level(logging.WARNING, logger="celery_fenced.reclaim"):
-        assert job_for(task, (object(),), {}) is None
+        assert job_for(task, (object(),), {}, "k") is None
     assert "will not be reclaimed" in caplog.text
 
 
@@ -508,7 +515,8 @@ def test_fenced_task__its_grant_records_the_job_and_the_release_drops_it(
         "testproject.demo.tasks.probe",
         [],
         {"marker": "m"},
-        {"queue": "q-probe", "priority": 0},
+        # a copy sent again runs under the key this grant took
+        {"queue": "q-probe", "priority": 0, "headers": {"fenced_lease_key": value["key"]}},
     )
 
 
