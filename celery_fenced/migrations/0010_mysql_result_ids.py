@@ -7,7 +7,8 @@ first's, and each read the other's — and two such groups shared one group resu
 one chord counter. Here those columns get the binary NO PAD collation of 0008 and 0009,
 their length (``DJANGO_CELERY_RESULTS_TASK_ID_MAX_LENGTH`` when they were made),
 nullability and unique indexes kept. The migration follows django-celery-results' last
-one so its tables exist.
+one so its tables exist; a later one that rewrites a column gives it back the table's
+collation, which system check ``celery_fenced.E007`` reports.
 """
 
 from typing import Any
