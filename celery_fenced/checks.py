@@ -12,6 +12,7 @@ and what would be valid.
 | E004 | ``django_celery_results`` missing from ``INSTALLED_APPS`` |
 | E005 | a task module fails to load with a celery-fenced error (a lease-key template) |
 | E006 | the lease database is MariaDB or MySQL and its session time zone is not UTC |
+| E007 | MariaDB or MySQL compares result or group ids by a collation that folds them |
 | W001 | results and leases in different databases |
 | W002 | fenced tasks, but the result backend does not fence results |
 | W003 | a fenced task with ``acks_late=False`` |
@@ -29,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.core import checks
 
-from celery_fenced import conf, startup
+from celery_fenced import collations, conf, startup
 from celery_fenced.exceptions import FencedConfigurationError
 
 REQUIRED_APPS = ("django_celery_results", "celery_fenced")
@@ -356,6 +357,7 @@ def register() -> None:
         check_unknown_settings,
         check_result_database,
         check_database_clock,
+        collations.check_result_ids,
         check_tasks,
     ):
         checks.register(check, "celery_fenced")

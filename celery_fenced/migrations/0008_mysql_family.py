@@ -13,6 +13,8 @@ from typing import Any
 
 from django.db import migrations
 
+from celery_fenced.collations import binary_collation
+
 LEASE = "celery_fenced_lease"
 PENDING = "celery_fenced_pendingjob"
 #: (table, column, length, nullable) of every column holding a lease key
@@ -28,8 +30,7 @@ def mysql_family(apps: Any, schema_editor: Any) -> None:
     if connection.vendor != "mysql":
         return
     quote = schema_editor.quote_name
-    # binary and NO PAD: 'pad ' is not 'pad' (utf8mb4_bin ignores trailing spaces)
-    collation = "utf8mb4_nopad_bin" if connection.mysql_is_mariadb else "utf8mb4_0900_bin"
+    collation = binary_collation(connection)
     for table, column, length, nullable in KEY_COLUMNS:
         schema_editor.execute(
             f"ALTER TABLE {quote(table)} MODIFY {quote(column)} varchar({length}) "

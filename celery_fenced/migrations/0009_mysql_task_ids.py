@@ -12,6 +12,8 @@ from typing import Any
 
 from django.db import migrations
 
+from celery_fenced.collations import binary_collation
+
 #: (table, column) of every column of the package's holding a task id (all varchar(255)
 #: NOT NULL)
 TASK_ID_COLUMNS = (
@@ -26,7 +28,7 @@ def binary_task_ids(apps: Any, schema_editor: Any) -> None:
     if connection.vendor != "mysql":
         return
     quote = schema_editor.quote_name
-    collation = "utf8mb4_nopad_bin" if connection.mysql_is_mariadb else "utf8mb4_0900_bin"
+    collation = binary_collation(connection)
     for table, column in TASK_ID_COLUMNS:
         schema_editor.execute(
             f"ALTER TABLE {quote(table)} MODIFY {quote(column)} varchar(255) "

@@ -11,11 +11,12 @@ import pytest
 from billiard.exceptions import WorkerLostError
 from celery import states
 from celery.app.task import Context
+from celery.result import GroupResult as CeleryGroup
 from django.db import connections, transaction
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django_celery_results.backends.database import DatabaseBackend
-from django_celery_results.models import TaskResult
+from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced import acquire, store
 from celery_fenced.backends import FencedDatabaseBackend
@@ -199,6 +200,46 @@ def test_fenced_result__written_with_token_and_released_in_one_transaction(route
     assert (row.released_at is not None, row.release_state) == (True, "SUCCESS")
     assert not LeaseEvent.objects.using(routed).exists()  # routine: on the row only
     assert lease.released
+
+
+TASK_IDS_THAT_DIFFER_ONLY_IN = pytest.mark.parametrize(
+    ("one", "other"), [("Job-1", "job-1"), ("t", "t "), ("é", "e")], ids=["case", "pad", "accent"]
+)
+
+
+@TASK_IDS_THAT_DIFFER_ONLY_IN
+def test_fenced_results__task_ids_compare_byte_for_byte(routed: str, one: str, other: str) -> None:
+    """Two jobs whose task ids differ in case, trailing spaces or accents have two result
+    rows and each reads back its own, whatever the database's default collation (MariaDB's
+    ``utf8mb4_general_ci`` made them one row: the second's upsert wrote over the first's)."""
+    backend = FencedDatabaseBackend(app=app)
+    for task_id in (one, other):
+        lease = acquire(f"key:{task_id}", ttl=30, task_id=task_id, using=routed)
+        assert lease.token == 1
+        backend.mark_as_done(task_id, {"id": task_id}, request=request_for(task_id, lease))
+    rows = dict(TaskResult.objects.using(routed).values_list("task_id", "result"))
+    assert {task_id: json.loads(value) for task_id, value in rows.items()} == {
+        one: {"id": one},
+        other: {"id": other},
+    }
+    for task_id in (one, other):
+        assert backend.get_task_meta(task_id)["result"] == {"id": task_id}
+        assert app.AsyncResult(task_id, backend=backend).get(timeout=10) == {"id": task_id}
+
+
+@TASK_IDS_THAT_DIFFER_ONLY_IN
+def test_groups__group_ids_compare_byte_for_byte(routed: str, one: str, other: str) -> None:
+    """Group ids name group results and chord counters as task ids name result rows: two
+    groups whose ids differ in case, trailing spaces or accents are two groups."""
+    backend = FencedDatabaseBackend(app=app)
+    for group_id in (one, other):
+        members = [app.AsyncResult(f"{group_id}:member", backend=backend)]
+        backend.save_group(group_id, CeleryGroup(group_id, members, app=app))
+        ChordCounter.objects.using(routed).create(group_id=group_id, sub_tasks="[]", count=1)
+    for group_id in (one, other):
+        restored = backend.restore_group(group_id)
+        assert [member.id for member in restored] == [f"{group_id}:member"]
+        assert ChordCounter.objects.using(routed).get(group_id=group_id).group_id == group_id
 
 
 def test_stale_result__redelivery_of_same_task_writes_nothing(routed: str) -> None:

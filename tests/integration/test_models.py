@@ -113,3 +113,48 @@ def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> Non
     # the main process reports that the process of ``other`` ended: not ``one``'s grant
     assert store.settle_elsewhere(other, process="w@h:7:", by="worker:failure", using=alias)
     held.renew()
+
+
+@pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+def test_check_result_ids__names_a_result_column_given_back_a_folding_collation(
+    settings: Any,
+) -> None:
+    """E007: a later django-celery-results migration that rewrites ``task_id`` gives it
+    the table's case-insensitive collation again; the check names the column and the
+    statement that mends it, and says nothing before migration 0010 is applied."""
+    from django.db import connections
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from celery_fenced.collations import MIGRATION, check_result_ids
+    from tests import routers
+
+    routers.TARGET = MARIADB
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    connection = connections[MARIADB]
+    assert check_result_ids(databases=[MARIADB]) == []
+    with connection.cursor() as cursor:  # what Django's AlterField writes: no collation
+        cursor.execute(
+            "ALTER TABLE django_celery_results_taskresult MODIFY task_id varchar(255) NOT NULL"
+        )
+    recorder = MigrationRecorder(connection)
+    try:
+        errors = check_result_ids(databases=[MARIADB])
+        assert [(e.id, e.obj) for e in errors] == [
+            ("celery_fenced.E007", "django_celery_results_taskresult.task_id")
+        ]
+        assert check_result_ids(databases=["default"]) == []  # not asked: no query
+        recorder.record_unapplied(*MIGRATION)
+        assert check_result_ids(databases=[MARIADB]) == []  # migrate must run to apply it
+        recorder.record_applied(*MIGRATION)
+        with connection.cursor() as cursor:  # the hint's statement
+            cursor.execute((errors[0].hint or "").split(": ", 1)[1].rstrip(";"))
+        assert check_result_ids(databases=[MARIADB]) == []
+    finally:
+        if MIGRATION not in recorder.applied_migrations():
+            recorder.record_applied(*MIGRATION)
+        routers.TARGET = "default"
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "ALTER TABLE django_celery_results_taskresult MODIFY task_id varchar(255) "
+                "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
+            )
