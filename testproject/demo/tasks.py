@@ -137,7 +137,7 @@ def probe_own_request(self: Any, seconds: float = 0.0, marker: str = "") -> dict
 )
 def sum_batch(self: Any, ids: Any) -> dict[str, Any]:
     """A job keyed by a collection argument, queued once per key: its key as it ran."""
-    return {"key": self.request.lease_key, "token": self.request.fencing_token, "sum": sum(ids)}
+    return {"key": self.request.lease_key, "token": self.request.fencing_token, "n": len(ids)}
 
 
 @shared_task(bind=True, base=FencedTask, lease_ttl=30)
@@ -149,6 +149,7 @@ def poll(self: Any, label: str, until: int) -> Any:
         LedgerEntry.objects.create(
             job=label, effect=f"poll {polls}", token=self.request.fencing_token, worker=_worker()
         )
-    if polls < until:
-        return self.replace(poll.si(label, until))
+    if polls < until:  # on the queue it came from (a replacement takes the default's)
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        return self.replace(poll.si(label, until).set(queue=queue))
     return {"label": label, "polls": polls}

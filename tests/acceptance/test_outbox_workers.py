@@ -288,7 +288,8 @@ def test_until_done__a_job_with_a_tuple_argument_ends_and_the_next_call_queues(
     with, whatever shape its arguments take in the message: once it has run, the same
     call queues a new job (it was refused forever when the worker worked out the key
     again from the decoded arguments: ``batch:[1, 2]`` instead of ``batch:(1, 2)``)."""
-    start_worker("a", env={"FENCED_ACCEPT_PICKLE": "1"})
+    # (Celery refuses to take pickled messages as root unless told to)
+    start_worker("a", env={"FENCED_ACCEPT_PICKLE": "1", "C_FORCE_ROOT": "1"})
     batch = publisher.tasks["testproject.demo.tasks.sum_batch"]
     publisher.conf.accept_content = ["json", "pickle"]
     calls = [((1, 2),), ({1: 1, 2: 2},), ((3, 4),)]
