@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from celery import states
@@ -42,7 +43,7 @@ from django_celery_results.models import TaskResult
 
 from celery_fenced import exits, outages, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
-from celery_fenced.requests import EndedProcess
+from celery_fenced.request_state import carry, state_of
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,7 @@ RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
 
 def lease_of(request: Any) -> HeldLease | None:
     """The grant an execution's request holds (set only by the worker at acquisition)."""
-    lease = getattr(request, "_fenced_lease", None) if request is not None else None
-    return lease if isinstance(lease, HeldLease) else None
+    return state_of(request).lease
 
 
 def proof_meta(lease: HeldLease) -> dict[str, Any]:
@@ -106,7 +106,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             and self.TaskModel is TaskResult
             and task_id == lease.task_id
             and not getattr(request, "chord", None)
-            and not getattr(request, workflow.HELD, None)
+            and not workflow.holds_successors(request)
             and router.db_for_write(self.TaskModel) == lease.alias
             and not connections[lease.alias].in_atomic_block
             and store.writes_result_in_release(lease.alias)
@@ -171,8 +171,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         rollback: the task's outcome and the lease's release would silently go with it.
         The savepoint keeps the errback's failure its own, as without fencing.
         """
-        lease = getattr(request, "_fenced_proven", None) if request is not None else None
-        if not isinstance(lease, HeldLease):
+        lease = state_of(request).proven
+        if lease is None:
             super()._call_task_errbacks(request, exc, traceback)
             return
         try:
@@ -203,8 +203,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         process: Celery reports a hard time limit twice (``Request.on_failure``, then
         ``Request.on_timeout``), and the first one records it, its errbacks and its chord
         count (R4: once)."""
-        ended = getattr(request, "_fenced_process", None)
-        if not isinstance(ended, EndedProcess) or ended.first_report():
+        ended = state_of(request).process
+        if ended is None or ended.first_report():
             return True
         logger.info(
             "%s of task %s: its end was reported already",
@@ -221,7 +221,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         to exit (see :mod:`celery_fenced.exits`): the worker's main process reports a hard
         time limit before it kills the process, whose grant must not end while it runs —
         nor may a database that is away hold the kill back."""
-        ended = getattr(request, "_fenced_process", None)
+        ended = state_of(request).process
         process = ended.owner_prefix if ended is not None else None
         pid = exits.live_child(process)
         if pid is None or process is None:
@@ -276,11 +276,11 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             return
         alias = store.database_alias()
         store.forget_pending(alias, task_id)
-        ended = getattr(request, "_fenced_process", None)
+        ended = state_of(request).process
         args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
         if (
             state == states.FAILURE
-            and isinstance(ended, EndedProcess)
+            and ended is not None
             and ended.owner_prefix
             and args is not None
             and kwargs is not None
@@ -299,9 +299,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
     ) -> Any:
         lease = lease_of(request)
         if lease is None:
-            if getattr(request, "_fenced_checked", None) == task_id or not self._is_fenced(
-                request
-            ):
+            if state_of(request).checked == task_id or not self._is_fenced(request):
                 return super()._store_result(task_id, result, status, traceback, request, using)
 
             def write() -> None:
@@ -321,7 +319,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 ),
             )
             return result
-        if getattr(request, "_fenced_proven", None) is lease:
+        if state_of(request).proven is lease:
             self._write_row(task_id, result, status, traceback, request, using)
             return result
 
@@ -406,14 +404,14 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             if not ok:
                 raise store.Refused(current)
             request.meta = {**(getattr(request, "meta", None) or {}), **proof_meta(lease)}
-            request._fenced_proven = lease
+            carry(request, replace(state_of(request), proven=lease))
             try:
                 # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
                 # out when this transaction commits: a proof that never commits is none
                 with outbox.plain_sends_recorded(self.app, lease.alias):
                     then()
             finally:
-                request._fenced_proven = None
+                carry(request, replace(state_of(request), proven=None))
             if connections[lease.alias].needs_rollback:
                 # something ``then`` ran swallowed a database error: the commit would
                 # silently be a rollback of the outcome and the release
@@ -553,11 +551,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                 store.forget_pending(lease.alias, task_id)
                 if lease.delivery is not None:
                     store.mark_ended(lease.alias, lease.delivery)
-                request._fenced_lease = None  # the row is written as checked, untokened
+                # the row is written as checked, untokened
+                carry(request, replace(state_of(request), lease=None))
                 try:
                     DatabaseBackend.mark_as_failure(self, task_id, stale, None, request)
                 finally:
-                    request._fenced_lease = lease
+                    carry(request, replace(state_of(request), lease=lease))
 
             # never over a final outcome already recorded (a REVOKED, another result)
             self._untokened(task_id, states.FAILURE, request, fail, over_final=False)
@@ -604,7 +603,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         its grant ends none. Nothing is recorded while another execution holds a grant
         of the task id.
         """
-        ended = getattr(request, "_fenced_process", None)
+        ended = state_of(request).process
         if ended is not None:  # set by the main process's request: see requests.py
             process = ended.owner_prefix
         else:
@@ -649,15 +648,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
                     extra={"task_id": task_id},
                 )
                 return
-            marker = getattr(request, "_fenced_checked", None) if request is not None else None
+            marker = state_of(request).checked
             if request is not None:
-                request._fenced_checked = task_id
+                carry(request, replace(state_of(request), checked=task_id))
             try:
                 with outbox.plain_sends_recorded(self.app, alias):
                     then()
             finally:
                 if request is not None:
-                    request._fenced_checked = marker
+                    carry(request, replace(state_of(request), checked=marker))
 
     def _untokened_may_write(self, task_id: str, alias: str, over_final: bool = True) -> bool:
         row = (

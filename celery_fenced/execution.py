@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from billiard.einfo import ExceptionInfo
@@ -25,6 +26,7 @@ from celery_fenced.exceptions import (
     LeaseLost,
     StaleToken,
 )
+from celery_fenced.request_state import carry, state_of
 
 if TYPE_CHECKING:
     from celery_fenced.store import Delivery, HeldLease
@@ -120,7 +122,7 @@ class FencedExecution:
     @property
     def lease(self) -> HeldLease | None:
         """The held-lease handle of the execution running in this thread (or None)."""
-        return getattr(self.request, "_fenced_lease", None)
+        return state_of(self.request).lease
 
     # -- execution -------------------------------------------------------------------
     def push_request(self, *args: Any, **kwargs: Any) -> None:
@@ -149,7 +151,7 @@ class FencedExecution:
         # A token or key in the message is never trusted: only acquisition sets them.
         request.fencing_token = None
         request.lease_key = None
-        request._fenced_lease = None
+        carry(request, replace(state_of(request), lease=None))
         options = self.fenced_options()
         task_id = request.id or ""
         alias = store.database_alias()
@@ -172,7 +174,7 @@ class FencedExecution:
             raise
         request.fencing_token = lease.token
         request.lease_key = key
-        request._fenced_lease = lease
+        carry(request, replace(state_of(request), lease=lease))
         renewer().register(lease)
         marker = context._current.set(lease)
         try:
@@ -505,7 +507,8 @@ class FencedExecution:
 
             renewer().unregister(lease)
             lease.forget()
-            self.request._fenced_lease = None  # the RETRY state is written untokened
+            # the RETRY state is written untokened
+            carry(self.request, replace(state_of(self.request), lease=None))
             self._retry_unlimited(exc, 0)
         raise exc
 
@@ -566,7 +569,7 @@ class FencedExecution:
     def _fenced_release(self, state: str) -> None:
         from celery_fenced.renewal import renewer
 
-        lease = getattr(self.request, "_fenced_lease", None)
+        lease = self.lease
         if lease is None:
             return
         renewer().unregister(lease)

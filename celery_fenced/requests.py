@@ -3,17 +3,21 @@
 The worker's main process reports the end of an execution it did not run (a hard time
 limit, a lost pool child, a revoke) to the result backend with the request's context.
 That context names the worker but not the pool process; this request class adds it, as
-an object a message cannot forge, so the backend ends only that process's grant.
+an object a message cannot forge (the ``process`` of the context's
+:class:`~celery_fenced.request_state.RequestState`), so the backend ends only that
+process's grant.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery.worker.request import Request
+
+from celery_fenced.request_state import carry, state_of
 
 _claims = threading.Lock()
 
@@ -60,11 +64,13 @@ class FencedRequestMixin:
         # ends its grant itself, and the report ends none.
         separate = bool(pid) and pid != os.getpid()
         prefix = f"{self.hostname}:{pid}:" if separate else None
-        ended = self.__dict__.get("_fenced_ended")
-        if not isinstance(ended, EndedProcess) or ended.owner_prefix != prefix:
-            # the same object for every report of this request's end (see EndedProcess)
-            ended = self.__dict__["_fenced_ended"] = EndedProcess(prefix)
-        context._fenced_process = ended
+        # the same object for every report of this request's end (see EndedProcess),
+        # kept in this request's own state
+        ended = state_of(self).process
+        if ended is None or ended.owner_prefix != prefix:
+            ended = EndedProcess(prefix)
+            carry(self, replace(state_of(self), process=ended))
+        carry(context, replace(state_of(context), process=ended))
         return context
 
 

@@ -9,21 +9,28 @@ one sends each once. The sending is Celery's own, as in ``celery.app.trace``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from celery import group, signature
 
-#: the request attribute holding what was taken off it: (callbacks, chain)
-HELD = "_fenced_successors"
+from celery_fenced.request_state import carry, state_of
 
 
 def hold_successors(request: Any) -> None:
-    """Take the callbacks and chain off ``request``, so that the tracer sends neither."""
+    """Take the callbacks and chain off ``request``, so that the tracer sends neither.
+
+    What was taken is carried in the request's state (``successors``)."""
     held = (request.callbacks, request.chain)
     if any(held):
-        setattr(request, HELD, held)
+        carry(request, replace(state_of(request), successors=held))
         request.callbacks = None
         request.chain = None
+
+
+def holds_successors(request: Any) -> bool:
+    """Whether ``request`` carries successors held by :func:`hold_successors`."""
+    return bool(state_of(request).successors)
 
 
 def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
@@ -36,7 +43,7 @@ def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
     failure handling (a broker error here: the tracer records the task as failed and
     marks the chain's remaining steps failed).
     """
-    held = getattr(request, HELD, None)
+    held = state_of(request).successors
     if held:
         callbacks, chain = held
         _send(app, task_id, request, retval, callbacks, chain)
@@ -44,8 +51,8 @@ def send_successors(app: Any, task_id: str, request: Any, retval: Any) -> None:
 
 def successors_settled(request: Any) -> None:
     """The outcome that sent the held successors is settled (committed, or refused)."""
-    if request is not None and getattr(request, HELD, None):
-        setattr(request, HELD, None)
+    if holds_successors(request):
+        carry(request, replace(state_of(request), successors=None))
 
 
 def _send(app: Any, task_id: str, request: Any, retval: Any, callbacks: Any, chain: Any) -> None:
@@ -87,7 +94,7 @@ def restore_successors(request: Any) -> None:
     For a success that could not be settled (the tracer then records a failure): Celery's
     failure handling marks the chain's remaining steps failed from ``request.chain``.
     """
-    held = getattr(request, HELD, None) if request is not None else None
+    held = state_of(request).successors
     if held:
-        setattr(request, HELD, None)
+        carry(request, replace(state_of(request), successors=None))
         request.callbacks, request.chain = held

@@ -308,7 +308,7 @@ def _trace_sent(sender: Any = None, headers: Any = None, body: Any = None, **_: 
         if not str(getattr(task, "name", "")).startswith("chaos."):
             return
         request = task.request
-        lease = getattr(request, "_fenced_lease", None)
+        lease = getattr(task, "lease", None)  # a fenced task's held lease (the public handle)
         sending, token = request.id, getattr(request, "fencing_token", None)
         owner = lease.owner if lease is not None else ""
     if not sending:

@@ -62,6 +62,7 @@ from celery_fenced import (
 )
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.request_state import RequestState, carry
 from devtools.workers import Worker
 from testproject.demo.models import Report
 from tests.conftest import DATABASE_ALIASES
@@ -302,7 +303,7 @@ def test_execution__bad_key_fails_the_task_naming_it_and_writes_nothing(
 def test_forged_token_in_the_request__ignored(lease_db: str) -> None:
     """Headers become request attributes in the worker; the execution's own grant wins."""
     task = define({"lease_ttl": 30, "lease_key": "report:{report_id}"})
-    forged = {"fencing_token": 999, "lease_key": "forged", "_fenced_lease": "forged"}
+    forged = {"fencing_token": 999, "lease_key": "forged", "_fenced_state": "forged"}
     assert run_as_worker(task, (5,), **forged) == {"key": "report:5", "token": 1}
     assert list(Lease.objects.using(lease_db).values_list("key", "token")) == [("report:5", 1)]
 
@@ -466,7 +467,7 @@ def backend_and_request(alias: str, task_id: str) -> tuple[Any, Context]:
 
     lease = acquire(f"result:{task_id}", ttl=30, task_id=task_id, using=alias)
     request = Context(id=task_id, task="bad.rebuild", args=[], kwargs={}, hostname="w@h")
-    request._fenced_lease = lease
+    carry(request, RequestState(lease=lease))
     return FencedDatabaseBackend(app=app), request
 
 

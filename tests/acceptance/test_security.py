@@ -372,7 +372,7 @@ def test_message__forged_token_in_headers_and_kwargs_is_ignored(
     alias: str, start_worker: Any
 ) -> None:
     start_worker("a", extra_args=["--include", "testproject.demo.chaos_tasks"])
-    forged = {"fencing_token": 999, "lease_key": "forged", "_fenced_lease": "forged"}
+    forged = {"fencing_token": 999, "lease_key": "forged", "_fenced_state": "forged"}
     task_id = send(
         "chaos.echo", queue=start_worker.queue, args=("n1",), kwargs=forged, headers=forged
     )

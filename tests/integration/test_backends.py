@@ -21,6 +21,8 @@ from django_celery_results.models import ChordCounter, TaskResult
 from celery_fenced import acquire, store
 from celery_fenced.backends import FencedDatabaseBackend
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.request_state import RequestState, carry
+from celery_fenced.requests import EndedProcess
 from celery_fenced.store import Delivery
 from testproject.celery import app
 from tests import routers
@@ -56,7 +58,7 @@ def request_for(task_id: str, lease: Any = None) -> Context:
         called_directly=False,  # delivered to a worker, as the tracer's request
     )
     if lease is not None:
-        request._fenced_lease = lease
+        carry(request, RequestState(lease=lease))
     return request
 
 
@@ -330,10 +332,8 @@ def test_statements__fenced_result_write_against_plain(routed: str) -> None:
 
 def main_process_request(task_id: str, pid: int | None) -> Context:
     """The context the worker's main process reports with (see celery_fenced.requests)."""
-    from celery_fenced.requests import EndedProcess
-
     request = request_for(task_id)
-    request._fenced_process = EndedProcess(f"w@h:{pid}:" if pid else None)
+    carry(request, RequestState(process=EndedProcess(f"w@h:{pid}:" if pid else None)))
     return request
 
 

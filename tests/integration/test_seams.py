@@ -24,6 +24,7 @@ from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced import FencedTask, StaleToken, fenced_update
 from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.request_state import RequestState, carry
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB, terminate_connection
 
@@ -463,9 +464,9 @@ def test_revoked_retrying_task__recorded_while_another_job_holds_its_key(
             "kwargs": {},
             "hostname": "w@seams",
             "retries": 1,
-            "_fenced_process": EndedProcess(None),
         }
     )
+    carry(context, RequestState(process=EndedProcess(None)))
     app.backend.mark_as_revoked("retrying-7", "revoked", request=context)
     other.finish()
     assert status(lease_db, "retrying-7")[0] == "REVOKED"

@@ -13,6 +13,7 @@ from django.db import connections
 from celery_fenced import FencedTask, LeaseBusy, acquire
 from celery_fenced.models import Lease
 from celery_fenced.renewal import renewer
+from celery_fenced.request_state import state_of
 from tests.conftest import DATABASE_ALIASES
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
@@ -138,6 +139,4 @@ def test_direct_call__threads_each_hold_and_release_their_own_lease(lease_db: st
     assert seen == {1: ("report:1", 1, "report:1"), 2: ("report:2", 1, "report:2")}
     assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
     assert not [held for held in renewer().held() if held.key.startswith("report:")]
-    assert bound._default_request is None or not getattr(
-        bound._default_request, "_fenced_lease", None
-    )
+    assert state_of(bound._default_request).lease is None
