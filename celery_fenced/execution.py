@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -25,6 +23,7 @@ from celery_fenced.exceptions import (
     LeaseLost,
     StaleToken,
 )
+from celery_fenced.owners import execution_owner
 
 if TYPE_CHECKING:
     from celery_fenced.store import Delivery, HeldLease
@@ -575,12 +574,6 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
 
         super().__init_subclass__(**kwargs)
         validate_task_class(cls)
-
-
-def execution_owner(request: Any) -> str:
-    """The lease owner of an execution of ``request`` in this thread: ``host:pid:thread``."""
-    host = getattr(request, "hostname", None) or "local"
-    return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]
 
 
 def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:

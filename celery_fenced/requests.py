@@ -15,12 +15,15 @@ from typing import Any
 
 from celery.worker.request import Request
 
+from celery_fenced import owners
+
 _claims = threading.Lock()
 
 
 @dataclass(frozen=True)
 class EndedProcess:
-    """The pool process an execution ran in, as the prefix of its lease owners.
+    """The pool process an execution ran in, as the prefix of its lease owners
+    (``host:boot:pid:``, see :mod:`celery_fenced.owners`).
 
     ``owner_prefix`` is None for a delivery that never started (expired, revoked before
     it ran): it held no grant; and for an execution of an in-process pool (threads,
@@ -59,7 +62,10 @@ class FencedRequestMixin:
         # process's pid, which names every execution of the worker: there the execution
         # ends its grant itself, and the report ends none.
         separate = bool(pid) and pid != os.getpid()
-        prefix = f"{self.hostname}:{pid}:" if separate else None
+        # the process of this worker start (see celery_fenced.owners): a process of
+        # another worker of the same node name, or of this one's previous start, may have
+        # the same pid
+        prefix = owners.process_prefix(self.hostname, pid) if separate and pid else None
         ended = self.__dict__.get("_fenced_ended")
         if not isinstance(ended, EndedProcess) or ended.owner_prefix != prefix:
             # the same object for every report of this request's end (see EndedProcess)
