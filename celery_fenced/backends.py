@@ -41,7 +41,7 @@ from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 from django_celery_results.models import TaskResult
 
-from celery_fenced import exits, outages, outbox, store, workflow
+from celery_fenced import exits, outages, outbox, owners, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.request_state import carry, state_of
 from celery_fenced.store import HeldLease
@@ -603,16 +603,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         its grant ends none. Nothing is recorded while another execution holds a grant
         of the task id.
         """
+        # set by the main process's request (see requests.py); else reported by the thread
+        # that ran the delivery (it failed before its grant): only a grant of this very
+        # thread is its own — another thread of the process (a threads pool) may be
+        # running the job
         ended = state_of(request).process
-        if ended is not None:  # set by the main process's request: see requests.py
-            process = ended.owner_prefix
-        else:
-            # reported by the thread that ran the delivery (it failed before its grant):
-            # only a grant of this very thread is its own — another thread of the
-            # process (a threads pool) may be running the job
-            from celery_fenced.execution import execution_owner
-
-            process = execution_owner(request)
+        process = ended.owner_prefix if ended is not None else owners.execution_owner(request)
         may = store.settle_elsewhere(task_id, process=process, by=f"worker:{state.lower()}")
         if not may:
             logger.warning(

@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import os
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -26,6 +24,7 @@ from celery_fenced.exceptions import (
     LeaseLost,
     StaleToken,
 )
+from celery_fenced.owners import execution_owner
 from celery_fenced.request_state import carry, state_of
 
 if TYPE_CHECKING:
@@ -637,12 +636,6 @@ def _message_headers(request: Any) -> Mapping[str, Any]:
     if keys.KEY_HEADER in fields:
         found[keys.KEY_HEADER] = fields[keys.KEY_HEADER]
     return found
-
-
-def execution_owner(request: Any) -> str:
-    """The lease owner of an execution of ``request`` in this thread: ``host:pid:thread``."""
-    host = getattr(request, "hostname", None) or "local"
-    return f"{host}:{os.getpid()}:{threading.get_ident() % 1000000}"[:255]
 
 
 def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:

@@ -42,7 +42,7 @@ _waiting_lock = threading.Lock()
 
 
 def live_child(owner_prefix: str | None) -> int | None:
-    """The pid that ``owner_prefix`` (``host:pid:``) names, if it is a child process of
+    """The pid that ``owner_prefix`` (``host:boot:pid:``) names, if it is a child process of
     this one that has not exited (a zombie has); None otherwise, or where ``/proc`` does
     not tell (the report is then made at once)."""
     if not owner_prefix:

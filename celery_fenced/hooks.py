@@ -18,6 +18,8 @@ from celery import signals
 from celery.app.registry import TaskRegistry
 from celery.worker.request import Request
 
+from celery_fenced import owners
+
 logger = logging.getLogger(__name__)
 
 UNSUPPORTED_POOLS = ("gevent", "eventlet")
@@ -201,7 +203,8 @@ def fenced_class(cls: type) -> type:
 
 
 def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
-    """At worker start: run the system checks, check the pool, fence the configured tasks.
+    """At worker start: make its boot id, run the system checks, check the pool, fence
+    the configured tasks.
 
     An error stops the worker with one message naming the setting or the task
     (SystemExit, which Celery's signal dispatch does not swallow); the warnings and a
@@ -211,6 +214,10 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
     from celery_fenced import checks, startup
     from celery_fenced.exceptions import FencedError
 
+    # this worker start's own id, in its owners: made before the pool forks, so that its
+    # processes share it (a process that imported the package and forks workers would
+    # otherwise give them all its own)
+    owners.new_boot()
     app = getattr(sender, "app", None)
     if app is None:
         return

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery.worker.request import Request
 
+from celery_fenced import owners
 from celery_fenced.request_state import carry, state_of
 
 _claims = threading.Lock()
@@ -24,7 +25,8 @@ _claims = threading.Lock()
 
 @dataclass(frozen=True)
 class EndedProcess:
-    """The pool process an execution ran in, as the prefix of its lease owners.
+    """The pool process an execution ran in, as the prefix of its lease owners
+    (``host:boot:pid:``, see :mod:`celery_fenced.owners`).
 
     ``owner_prefix`` is None for a delivery that never started (expired, revoked before
     it ran): it held no grant; and for an execution of an in-process pool (threads,
@@ -63,7 +65,10 @@ class FencedRequestMixin:
         # process's pid, which names every execution of the worker: there the execution
         # ends its grant itself, and the report ends none.
         separate = bool(pid) and pid != os.getpid()
-        prefix = f"{self.hostname}:{pid}:" if separate else None
+        # the process of this worker start (see celery_fenced.owners): a process of
+        # another worker of the same node name, or of this one's previous start, may have
+        # the same pid
+        prefix = owners.process_prefix(self.hostname, pid) if separate and pid else None
         # the same object for every report of this request's end (see EndedProcess),
         # kept in this request's own state
         ended = state_of(self).process

@@ -62,6 +62,7 @@ class Worker:
         log_dir: Path,
         extra_args: Sequence[str] = (),
         broker: str | None = None,
+        hostname: str | None = None,
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = log_dir / f"{self.name}.log"
@@ -91,7 +92,7 @@ class Worker:
             "--concurrency",
             str(concurrency),
             "--hostname",
-            f"{self.name}@%h",
+            hostname or f"{self.name}@%h",  # the node name: by default one of its own
             "--queues",
             queue,
             "--without-gossip",

@@ -203,7 +203,7 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
 
 
 def process_holds(task_id: str, process: str, *, using: str | None = None) -> bool:
-    """Whether the pool process ``process`` (an owner prefix, ``host:pid:``) holds an
+    """Whether the pool process ``process`` (an owner prefix, ``host:boot:pid:``) holds an
     unreleased grant of ``task_id``."""
     grants = dialects.for_alias(database_alias(using)).task_grants(task_id)
     return any(owner.startswith(process) for _key, _token, owner, _live in grants)
@@ -215,7 +215,7 @@ def settle_elsewhere(
     """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
     For writes that carry no lease: the worker's main process reporting that the process
-    ``process`` (an owner prefix, ``host:pid:``, or one execution's owner, for a report
+    ``process`` (an owner prefix, ``host:boot:pid:``, or one execution's owner, for a report
     made by the thread that ran the delivery; None for a delivery that never started)
     ended — a hard time limit, a lost pool child, a revoke — or a delivery that failed
     before its grant. That process's own live grant of ``task_id`` is ended (force-released:
@@ -277,7 +277,7 @@ def settle_elsewhere(
 
 
 def _owned_by(owner: str, process: str) -> bool:
-    """Whether lease owner ``owner`` is ``process`` (an owner, or a ``host:pid:`` prefix)."""
+    """Whether lease owner ``owner`` is ``process`` (an owner, or a ``host:boot:pid:`` prefix)."""
     return owner == process or (process.endswith(":") and owner.startswith(process))
 
 

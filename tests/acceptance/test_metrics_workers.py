@@ -68,7 +68,7 @@ def test_takeover_between_pool_processes__counted_once_each_across_them(
         30,
         "a renewal of the first grant",
     )
-    pid = int(first.owner.split(":")[1])  # owner: hostname:pid:thread
+    pid = int(first.owner.split(":")[-2])  # owner: hostname:boot:pid:thread
     os.kill(pid, signal.SIGSTOP)  # one pool process stalls holding the grant
     try:
         send(EFFECT, queue=start_worker.queue, args=("m1", "e2", 0))

@@ -413,7 +413,7 @@ def test_pool_process_terminated__its_grant_waits_for_the_main_process_report(
     lease = wait_for(
         lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "A's grant"
     )
-    child = int(lease.owner.split(":")[1])  # "<worker>@<host>:<pid>:<thread>"
+    child = int(lease.owner.split(":")[-2])  # "<worker>@<host>:<boot>:<pid>:<thread>"
     assert child != a.process.pid
     os.kill(a.process.pid, signal.SIGSTOP)  # the main process only
     try:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import uuid
 from typing import Any
 
 import pytest
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Lease, LeaseEvent
-from devtools.workers import send, sender, wait_for
+from devtools.workers import broker_app, send, sender, wait_for
 from tests.conftest import WITH_MARIADB
 
 pytestmark = [
@@ -347,6 +349,58 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
             "the job's result",
         )
         assert (row.status, "TimeLimitExceeded" in row.result) == ("FAILURE", True)
+
+
+@pytest.mark.broker("redis")
+def test_two_workers_of_one_node_name__a_report_by_the_others_pid_ends_no_grant(
+    alias: str, start_worker: Any
+) -> None:
+    """Two workers started alike, with one node name (``-n twin@%h``, as on two machines
+    or in two containers started from one image). B's pool process holds a job's grant;
+    A's main process reports the end of a pool process of that very pid (what two
+    machines' workers may both have; here A's report names B's pid): B's grant is not
+    A's process's. It stays, and B's execution completes the job under its token."""
+    name = f"twin-{uuid.uuid4().hex[:6]}@%h"
+    b = start_worker("b", hostname=name)
+    # A on a broker of its own (another Redis database): its remote control reaches it
+    # alone, where B's would share its node name's queue
+    elsewhere = os.environ["FENCED_REDIS_URL"].rsplit("/", 1)[0] + "/1"
+    start_worker(
+        "a",
+        hostname=name,
+        env={"FENCED_BROKER_URL": elsewhere},
+        extra_args=["--include", "testproject.demo.report_control"],
+    )
+    task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 6})
+    lease = wait_for(
+        lambda: Lease.objects.using(alias).filter(task_id=task_id).first(), 30, "B's grant"
+    )
+    pid = int(lease.owner.split(":")[-2])  # "<node name>:<boot id>:<pid>:<thread>"
+    assert pid != b.process.pid  # a pool process's
+    control = broker_app(elsewhere)
+    try:
+        replies = control.control.broadcast(
+            "report_hard_time_limit",
+            arguments={"task_id": task_id, "task_name": PROBE, "pid": pid},
+            reply=True,
+            timeout=30,
+        )
+    finally:
+        control.close()
+    status, value = result_of(alias, task_id)
+    assert status == "SUCCESS"
+    assert (value["token"], value["lost"]) == (1, False)
+    row = Lease.objects.using(alias).get(pk=lease.pk)
+    assert (row.token, row.release_state) == (1, "SUCCESS")
+    assert not LeaseEvent.objects.using(alias).filter(kind="force_released").exists()
+    # A's report named pool process ``pid`` of A's start: same node name, another boot id
+    host, boot, _pid, _thread = lease.owner.rsplit(":", 3)
+    ((reporter, reply),) = [item for r in replies for item in r.items()]
+    assert reporter == host
+    prefix = reply["ok"]
+    assert prefix.startswith(f"{host}:")
+    assert prefix.endswith(f":{pid}:")
+    assert prefix != f"{host}:{boot}:{pid}:"
 
 
 # Redis's visibility timeout redelivers the held countdown messages; RabbitMQ's

@@ -1,6 +1,9 @@
 """The worker's main process reports the end of an execution it did not run, through
 Celery's own request (``celery.worker.request.Request``) and billiard's order of calls,
-for a real child process standing in for the pool process."""
+for a real child process standing in for the pool process.
+
+A pool process's owners start with ``w@seams:<boot id>:<pid>:`` (celery_fenced.owners):
+the boot id is this process's, the worker's main process that forked its pool."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from django.db import connections
 from django.db.models import F
 from django_celery_results.models import TaskResult
 
-from celery_fenced import acquire
+from celery_fenced import acquire, owners
 from celery_fenced.models import Lease
 from celery_fenced.requests import FencedRequest
 from tests.conftest import WITH_MARIADB
@@ -41,6 +44,11 @@ def pool_process() -> Iterator[subprocess.Popen[bytes]]:
     yield child
     child.kill()
     child.wait()
+
+
+def pool_owner(pid: int) -> str:
+    """The owner of an execution in this worker's pool process ``pid``."""
+    return owners.process_prefix("w@seams", pid) + "1"
 
 
 def reports_waiting() -> bool:
@@ -69,7 +77,7 @@ def test_hard_time_limit__reported_twice_by_celery__recorded_and_its_errback_sen
     (``Request.on_timeout``: ``mark_as_failure`` again), then kills the process. One
     execution ended, once: its errback is sent once (R4)."""
     pid = pool_process.pid
-    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    acquire("job", ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
     request = accepted(broker, "t1", pid)
     try:
         raise TimeLimitExceeded(1.0)
@@ -98,7 +106,7 @@ def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not
     )
     copy = broker.one("seams.step")
     pid = pool_process.pid
-    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    acquire("job", ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
     request = accepted(broker, "t1", pid)
     request.on_timeout(False, 1.0)
     pool_process.kill()
@@ -127,9 +135,9 @@ def test_hard_time_limits_of_a_taken_over_process_and_its_taker__one_report_reco
     taker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         a, b = pool_process.pid, taker.pid
-        acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{a}:1", using=lease_db)
+        acquire("job", ttl=30, task_id="t1", owner=pool_owner(a), using=lease_db)
         Lease.objects.using(lease_db).filter(key="job").update(expires_at=F("acquired_at"))
-        acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{b}:1", using=lease_db)
+        acquire("job", ttl=30, task_id="t1", owner=pool_owner(b), using=lease_db)
         for pid in (b, a):  # B's report first, then the stale process's
             accepted(broker, "t1", pid).on_timeout(False, 1.0)
             os.kill(pid, signal.SIGKILL)
@@ -155,7 +163,7 @@ def test_warm_shutdown__waits_for_a_report_still_to_be_made(
 
     caplog.set_level(logging.INFO, logger="celery_fenced.exits")
     pid = pool_process.pid
-    acquire("job", ttl=30, task_id="t1", owner=f"w@seams:{pid}:1", using=lease_db)
+    acquire("job", ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
     request = accepted(broker, "t1", pid)
     request.on_timeout(False, 1.0)
     assert reports_waiting()
@@ -179,3 +187,53 @@ def test_warm_shutdown__waits_for_a_report_still_to_be_made(
     pool_process.kill()  # the pool stopped: its processes exit
     stopping.join(60)
     assert recorded == [True]
+
+
+#: another start of a worker named ``w@seams`` (on another machine, or this one's previous
+#: start): its execution of the job holds the grant, in a process whose pid a pool process
+#: of this worker had; it prints its owner
+OTHER_WORKER = """
+import sys
+from types import SimpleNamespace
+
+import django
+
+django.setup()
+from celery_fenced import acquire, owners
+from celery_fenced.execution import execution_owner
+
+owner = execution_owner(SimpleNamespace(hostname="w@seams"))
+acquire("job", ttl=60, task_id="t1", owner=owner, using=sys.argv[1])
+print(owner)
+"""
+
+
+def test_report_of_a_pool_process__another_worker_start_with_its_pid_keeps_its_grant(
+    broker: Broker, lease_db: str, child_env: dict[str, str]
+) -> None:
+    """Two workers of one node name (``-n w@seams`` on two machines started alike, or this
+    worker and its previous start): the other's execution of the job holds the grant, in
+    a process with the pid of this worker's pool process that ran the job and ended. This
+    worker's main process reports that end (a hard time limit): the grant is not its
+    process's, and stays; nothing is recorded while the other holds it."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_WORKER, lease_db],
+        env=child_env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    owner = other.communicate(timeout=60)[0].strip()
+    assert other.returncode == 0
+    pid = other.pid  # exited: no live child of this process, the report is made at once
+    assert owner.startswith("w@seams:")
+    assert f":{pid}:" in owner
+    request = accepted(broker, "t1", pid)
+    request.on_timeout(False, 1.0)
+    wait_for(lambda: not reports_waiting(), "the report")
+    lease = Lease.objects.using(lease_db).get(key="job")
+    assert (lease.owner, lease.token, lease.released_at) == (owner, 1, None)
+    assert not TaskResult.objects.using(lease_db).filter(task_id="t1").exists()
+    assert broker.sent("seams.errback") == []
+    # the report named pid ``pid`` of this worker start; the other's owner has another boot id
+    assert request._context._fenced_process.owner_prefix == owners.process_prefix("w@seams", pid)
+    assert owner.split(":")[1] != owners.boot()
