@@ -94,17 +94,7 @@ class FencedExecution:
     def _merged_options(self, settings: conf.FencedSettings) -> conf.TaskOptions:
         config = self._fenced_config
         if config is not None:
-            return settings.task_options(
-                f"fenced_tasks option of task {self.name!r}",
-                ttl=config.get("ttl"),
-                on_busy=config.get("on_busy"),
-                renew_interval=config.get("renew_interval"),
-                key=config.get("key"),
-                reclaim=config.get("reclaim"),
-                outbox=config.get("outbox"),
-                unique=config.get("unique"),
-                limit=config.get("limit"),
-            )
+            return settings.options_of_entry(self.name, config)
         return settings.task_options(
             f"task {self.name!r}",
             ttl=self.lease_ttl,
