@@ -410,7 +410,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             try:
                 # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
                 # out when this transaction commits: a proof that never commits is none
-                with outbox.plain_sends_recorded(self.app, lease.alias):
+                with outbox.plain_sends_recorded(lease.alias):
                     then()
             finally:
                 request._fenced_proven = None
@@ -653,7 +653,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             if request is not None:
                 request._fenced_checked = task_id
             try:
-                with outbox.plain_sends_recorded(self.app, alias):
+                with outbox.plain_sends_recorded(alias):
                     then()
             finally:
                 if request is not None:
