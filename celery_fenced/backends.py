@@ -408,7 +408,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             try:
                 # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
                 # out when this transaction commits: a proof that never commits is none
-                with outbox.plain_sends_recorded(self.app, lease.alias):
+                with outbox.plain_sends_recorded(lease.alias):
                     then()
             finally:
                 carry(request, replace(state_of(request), proven=None))
@@ -648,7 +648,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             if request is not None:
                 carry(request, replace(state_of(request), checked=task_id))
             try:
-                with outbox.plain_sends_recorded(self.app, alias):
+                with outbox.plain_sends_recorded(alias):
                     then()
             finally:
                 if request is not None:

@@ -229,6 +229,23 @@ class FencedSettings:
             return None
         return dict(self.tasks[max(matches, key=len)])
 
+    def configured_options(self, task_name: str) -> TaskOptions | None:
+        """The validated options ``fenced_tasks`` gives ``task_name`` (merged over the
+        global settings), or None when it does not select it. The name alone decides:
+        a process that publishes the task by name need not import it."""
+        config = self.options_for(task_name)
+        if config is None:
+            return None
+        return self.options_of_entry(task_name, config)
+
+    def options_of_entry(self, task_name: str, config: Mapping[str, Any]) -> TaskOptions:
+        """The options of ``task_name`` from its ``fenced_tasks`` entry ``config``,
+        merged over the global settings and validated."""
+        return self.task_options(
+            f"fenced_tasks option of task {task_name!r}",
+            **{name: config.get(name) for name in TASK_OPTION_NAMES},
+        )
+
     def task_options(
         self,
         where: str,

@@ -1,7 +1,9 @@
-"""The lease held by the code running in this thread or context."""
+"""The lease held by the code running in this thread or context, and what it is sending."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -18,3 +20,23 @@ _guards: ContextVar[tuple[tuple[str, str, int], ...]] = ContextVar(
 def current_lease() -> HeldLease | None:
     """The lease held by the fenced task running in this thread/context, or ``None``."""
     return _current.get()
+
+
+#: set while the package sends a job whose publish it has already decided (a fenced
+#: task's own ``apply_async``, a recorded job sent again): the app's ``send_task`` sends
+#: it as Celery does, never taking it for a new publish by task name
+_decided: ContextVar[bool] = ContextVar("celery_fenced_sending_decided", default=False)
+
+
+@contextlib.contextmanager
+def sending_decided() -> Iterator[None]:
+    """Inside it, what reaches the app's ``send_task`` is a publish already decided."""
+    marker = _decided.set(True)
+    try:
+        yield
+    finally:
+        _decided.reset(marker)
+
+
+def is_sending_decided() -> bool:
+    return _decided.get()

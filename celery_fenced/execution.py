@@ -95,17 +95,7 @@ class FencedExecution:
     def _merged_options(self, settings: conf.FencedSettings) -> conf.TaskOptions:
         config = self._fenced_config
         if config is not None:
-            return settings.task_options(
-                f"fenced_tasks option of task {self.name!r}",
-                ttl=config.get("ttl"),
-                on_busy=config.get("on_busy"),
-                renew_interval=config.get("renew_interval"),
-                key=config.get("key"),
-                reclaim=config.get("reclaim"),
-                outbox=config.get("outbox"),
-                unique=config.get("unique"),
-                limit=config.get("limit"),
-            )
+            return settings.options_of_entry(self.name, config)
         return settings.task_options(
             f"task {self.name!r}",
             ttl=self.lease_ttl,
@@ -268,10 +258,15 @@ class FencedExecution:
         """
         from celery_fenced import outbox
 
-        plain = super().apply_async  # type: ignore[misc]
+        celery_apply_async = super().apply_async  # type: ignore[misc]
         if self.app.conf.task_always_eager:
-            return plain(args, kwargs, task_id, *more, **options)
+            return celery_apply_async(args, kwargs, task_id, *more, **options)
         from celery.utils import uuid
+
+        def plain(*args: Any, **options: Any) -> Any:
+            # decided here: the app's send_task it ends in does not publish it by name
+            with context.sending_decided():
+                return celery_apply_async(*args, **options)
 
         chosen = task_id or uuid()
         key = self.publish_key(args, kwargs, {**options, "task_id": chosen})
@@ -296,12 +291,14 @@ class FencedExecution:
             kept = {k: v for k, v in options.items() if k not in lent}
             return plain(args, kwargs, chosen, add_to_parent=False, **kept)
 
-        result = outbox.publish(self, args, kwargs, chosen, options, send, key=key or "")
-        if to_parent:  # the trail, as Celery's send_task keeps it: now, not at the commit
-            parent = self.app.current_worker_task
-            if parent is not None:
-                parent.add_trail(result)
-        return result
+        publisher = outbox.Publisher(
+            self.app,
+            self.name,
+            self.fenced_options().unique,
+            self.AsyncResult,  # type: ignore[attr-defined]
+        )
+        result = outbox.publish(publisher, args, kwargs, chosen, options, send, key=key or "")
+        return outbox.in_trail(self.app, result, to_parent)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``, sent only while this execution's token is proven current.

@@ -93,7 +93,7 @@ _recording_plain: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def plain_sends_recorded(app: Any, alias: str) -> Iterator[None]:
+def plain_sends_recorded(alias: str) -> Iterator[None]:
     """Inside it, while a transaction is open on the lease database ``alias``, a plain
     (unfenced) task's publish — Celery's ``app.send_task``, which every plain
     ``apply_async`` ends in — is recorded in that transaction and sent when it commits,
@@ -106,13 +106,13 @@ def plain_sends_recorded(app: Any, alias: str) -> Iterator[None]:
     another's by then. Sent on commit; its row ends when a worker starts the job (its
     message carries :data:`PLAIN_HEADER`), so the reclaimer sends it again if the
     process dies before the send or the broker loses the message — at least once.
+    The app's ``send_task`` (:mod:`celery_fenced.sending`, given to every app) records.
     """
     from celery_fenced import store
 
     if alias != store.database_alias() or not connections[alias].in_atomic_block:
         yield
         return
-    _record_plain_sends_of(app)
     marker = _recording_plain.set(alias)
     try:
         yield
@@ -120,24 +120,14 @@ def plain_sends_recorded(app: Any, alias: str) -> Iterator[None]:
         _recording_plain.reset(marker)
 
 
-def _record_plain_sends_of(app: Any) -> None:
-    """Give ``app`` a ``send_task`` that records while :func:`plain_sends_recorded` is on
-    (and is Celery's own otherwise)."""
-    if "_fenced_send_task" in app.__dict__:
-        return
-    original = app.send_task
-
-    def send_task(name: str, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        alias = _recording_plain.get(None)
-        if alias is None or not connections[alias].in_atomic_block:
-            return original(name, args, kwargs, **options)
-        return _record_plain(app, original, alias, name, args, kwargs, options)
-
-    app.__dict__["_fenced_send_task"] = original
-    app.send_task = send_task
+def plain_recording() -> str | None:
+    """The lease database alias whose open transaction records a plain publish now
+    (inside :func:`plain_sends_recorded`, that transaction still open), or None."""
+    alias = _recording_plain.get(None)
+    return alias if alias is not None and connections[alias].in_atomic_block else None
 
 
-def _record_plain(
+def record_plain(
     app: Any,
     original: Callable[..., Any],
     alias: str,
@@ -167,7 +157,7 @@ def _record_plain(
             handle,
             lambda: original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept),
         )
-        return _in_trail(app, result, to_parent)
+        return in_trail(app, result, to_parent)
     store.record_pending(alias, pending)
 
     # bounded publish retries, as Celery's tracer sends a task's callbacks
@@ -188,10 +178,10 @@ def _record_plain(
             _end_row(alias, task_id, "sent", f"{name}[{task_id}]")
 
     transaction.on_commit(send, using=alias)
-    return _in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
+    return in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
 
 
-def _in_trail(app: Any, result: Any, to_parent: bool) -> Any:
+def in_trail(app: Any, result: Any, to_parent: bool) -> Any:
     """``result``, added to the sending task's children as Celery's ``send_task`` does:
     now, not at the commit."""
     if to_parent:
@@ -236,10 +226,16 @@ def _held_until_started(app: Any, name: str) -> bool:
     """Whether a recorded plain sending of task ``name`` stays in the outbox until a worker
     starts it: a plain task's (the worker's ``task_prerun`` ends it). A fenced task whose
     outbox is off (``fenced_outbox``/``lease_outbox``) reaches Celery's ``send_task``
-    too: sent on the commit, its row ends once it is sent, as its own publishes keep none."""
+    too: sent on the commit, its row ends once it is sent, as its own publishes keep none
+    — fenced by its class here, or by ``fenced_tasks`` when this process does not have it
+    registered (the worker that runs it fences it)."""
+    from celery_fenced import conf
     from celery_fenced.execution import FencedExecution
 
-    return not isinstance(app.tasks.get(name), FencedExecution)
+    task = app.tasks.get(name)
+    if task is None:
+        return conf.load(app).options_for(name) is None
+    return not isinstance(task, FencedExecution)
 
 
 def _end_row(alias: str, task_id: str, done: str, job: str = "") -> None:
@@ -301,13 +297,26 @@ if TYPE_CHECKING:
     from celery.result import AsyncResult
 
     from celery_fenced import store
-    from celery_fenced.execution import FencedExecution
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Publisher:
+    """The fenced task a job is published for, as the outbox needs it: known by its task
+    object (its ``apply_async``), or only by its name and the ``fenced_tasks`` setting
+    (``app.send_task`` in a process that does not import it)."""
+
+    app: Any
+    name: str
+    #: its ``lease_unique`` rule (None: none)
+    unique: str | None
+    #: the result handle of one of its jobs, by task id
+    result: Callable[[str], AsyncResult[Any]]
+
+
 def publish(
-    task: FencedExecution,
+    task: Publisher,
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     task_id: str,
@@ -337,9 +346,8 @@ def publish(
     alias = store.database_alias()
     pending = _pending(task, args, kwargs, task_id, options, key)
     if pending is None:
-        handle: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
         sent: AsyncResult[Any] = _unrecorded(
-            alias, handle, lambda: send(True), lambda: send(False)
+            alias, task.result(task_id), lambda: send(True), lambda: send(False)
         )
         return sent
     in_transaction = connections[alias].in_atomic_block
@@ -359,12 +367,11 @@ def publish(
         lambda: _sent_or_marked_unsent(alias, task.name, task_id, lambda: send(in_transaction)),
         using=alias,
     )
-    result: AsyncResult[Any] = task.AsyncResult(task_id)  # type: ignore[attr-defined]
-    return result
+    return task.result(task_id)
 
 
 def _pending(
-    task: FencedExecution,
+    task: Publisher,
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     task_id: str,
@@ -381,7 +388,7 @@ def _pending(
         task_id,
         options,
         key=key,
-        unique=task.fenced_options().unique,
+        unique=task.unique,
         # a retry is the same job; a call that carries a workflow (a chain's next steps,
         # callbacks, a chord or group it belongs to, a frozen id its caller holds) must
         # be sent: refused, its workflow would wait forever. Both take the key if free.
@@ -419,7 +426,7 @@ def _row(
 
 
 def _deduplicated(
-    task: FencedExecution, alias: str, pending: store.Pending, standing: str
+    task: Publisher, alias: str, pending: store.Pending, standing: str
 ) -> AsyncResult[Any]:
     """A ``lease_unique`` publish refused: the copy that stands is the caller's result."""
     from celery_fenced import store
@@ -447,8 +454,7 @@ def _deduplicated(
         task_name=pending.task_name,
         refused_task_id=pending.task_id,
     )
-    result: AsyncResult[Any] = task.AsyncResult(standing)  # type: ignore[attr-defined]
-    return result
+    return task.result(standing)
 
 
 #: options of a call that is a step of a workflow (chain, callbacks, group, chord)

@@ -31,7 +31,7 @@ from celery.app.task import Context
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
-from celery_fenced import signals
+from celery_fenced import context, signals
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -276,16 +276,18 @@ def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -
 
 
 def send_job(app: Celery, job: Job, task_id: str, **more: Any) -> None:
-    """Send a recorded ``job`` again with its task id (``more``: options of this sending)."""
-    app.send_task(
-        job.task,
-        args=job.args,
-        kwargs=job.kwargs,
-        task_id=task_id,
-        add_to_parent=False,
-        **job.options,
-        **more,
-    )
+    """Send a recorded ``job`` again with its task id (``more``: options of this sending);
+    recorded already, it is no new publish by task name."""
+    with context.sending_decided():
+        app.send_task(
+            job.task,
+            args=job.args,
+            kwargs=job.kwargs,
+            task_id=task_id,
+            add_to_parent=False,
+            **job.options,
+            **more,
+        )
 
 
 # -- the reclaimer -----------------------------------------------------------------------
