@@ -24,6 +24,11 @@ d. ``completed-rerun``: no body runs under a grant taken after its task id's fin
 e. ``errback``: each errback is sent once, by the current execution of a parent whose
    stored state is FAILURE (or by the worker's main process reporting its hard time
    limit); none for any other parent.
+h. ``replace``: a job whose task replaces itself with its own signature (the same task
+   id, name and arguments: a polling loop) ends in its last replacement — none is skipped
+   as a copy of the task it replaced.
+
+(f) and (g), ``lease_unique`` and ``lease_limit``, are checked from the lease events.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ KINDS: dict[str, float] = {
     "compete": 10,
     "unique": 8,
     "permits": 8,
+    "replace": 8,
 }
 #: how many times the runner publishes one lease_unique job back to back
 UNIQUE_CALLS = 4
@@ -75,7 +81,10 @@ SEAMS = {
     "errback": "errbacks not fired once for a FAILURE (e)",
     "unique": "lease_unique calls refused without one deduplicated event each (f)",
     "permits": "keys with more current grants than their lease_limit at an instant (g)",
+    "replace": "self-replacing jobs that ended before their last replacement ran (h)",
 }
+#: the tuple a unique job's key names (``batch:[1, 2]`` once the message is decoded)
+UNIQUE_PARTS = (1, 2)
 
 
 @dataclass
@@ -221,12 +230,18 @@ class Sender:
     def send_unique(self, name: str) -> Job:
         # one job published several times at once: one copy queued, the others refused
         # with its id (until_done: also while it runs)
-        sig = self.sig("chaos.unique_step", (None, name), {"seconds": self.seconds()})
+        kwargs = {"seconds": self.seconds(), "parts": UNIQUE_PARTS}
+        sig = self.sig("chaos.unique_step", (None, name), kwargs)
         returned = tuple(str(sig.apply_async().id) for _ in range(UNIQUE_CALLS))
         copies = list(dict.fromkeys(returned))
         job = self._job(name, "unique", {f"c{n}": task_id for n, task_id in enumerate(copies)})
         job.returned = returned
         return job
+
+    def send_replace(self, name: str) -> Job:
+        # a polling loop: the task replaces itself with its own signature until done
+        result = self.sig("chaos.poll_step", (None, name), {"seconds": self.seconds(0.5)})
+        return self._job(name, "replace", {"task": result.apply_async().id})
 
     @staticmethod
     def _job(name: str, kind: str, ids: dict[str, str]) -> Job:
@@ -368,6 +383,8 @@ def check_seams(jobs: list[Job], seams: Seams) -> list[tuple[str, str, str]]:
             found += _edge("errback", job, job.ids["task"], job.ids["errback"], "FAILURE", seams)
         elif job.kind == "chord":
             found += _chord(job, seams)
+        elif job.kind == "replace":
+            found += _replaced(job, seams)
     found += _ended_by_other(seams)
     found += _completed_reruns(seams)
     return found
@@ -444,6 +461,21 @@ def _chord(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
     return _one("chord-body", job, f"body {body_id[:8]}", problems)
 
 
+def _replaced(job: Job, seams: Seams) -> list[tuple[str, str, str]]:
+    """(h) A self-replacing job that succeeded did so in its last replacement (its value's
+    ``step`` is Celery's replacement count): none was skipped as a copy of the one it
+    replaced, none ran the job's end twice."""
+    from testproject.demo.chaos_tasks import POLLS  # its models need Django's apps
+
+    row = seams.stored.get(job.ids["task"])
+    if row is None or row.status != "SUCCESS":
+        return []  # not ended: the lost and failed jobs' counts say so
+    step = row.value.get("step") if isinstance(row.value, dict) else None
+    if step == POLLS - 1:
+        return []
+    return [("replace", "", f"{job.name}: ended after replacement {step}, not {POLLS - 1}")]
+
+
 def _one(kind: str, job: Job, what: str, problems: list[str]) -> list[tuple[str, str, str]]:
     """One violation per message with problems (counted once), naming them all."""
     if not problems:
@@ -474,7 +506,7 @@ def check_unique(jobs: list[Job], deduplicated: dict[str, int]) -> list[tuple[st
         if job.kind != "unique" or not job.returned:
             continue
         refused = len(job.returned) - len(set(job.returned))
-        key = f"unique:{job.name}"
+        key = f"unique:{job.name}:{list(UNIQUE_PARTS)}"
         if deduplicated.get(key, 0) != refused:
             problems.append(
                 (

@@ -418,11 +418,30 @@ UNIQUE = None if os.environ.get("FENCED_OUTBOX") == "0" else "until_done"
 
 
 @shared_task(
-    name="chaos.unique_step", lease_key="unique:{job}", lease_unique=UNIQUE, **FENCED_STEP
+    name="chaos.unique_step", lease_key="unique:{job}:{parts}", lease_unique=UNIQUE, **FENCED_STEP
 )
-def unique_step(self: Any, value: Any, job: str, seconds: float = 0.0) -> Any:
-    """A fenced step queued once while a copy waits or runs (``lease_unique``)."""
+def unique_step(self: Any, value: Any, job: str, seconds: float = 0.0, parts: Any = ()) -> Any:
+    """A fenced step queued once while a copy waits or runs (``lease_unique``); its key
+    names ``parts``, a tuple the runner passes (a list once the message is decoded)."""
     return _step(self, value, job, 0, seconds, False)
+
+
+#: how many times a replace job's task runs: it replaces itself until then
+POLLS = 3
+
+
+@shared_task(name="chaos.poll_step", lease_key="poll:{job}", **FENCED_STEP)
+def poll_step(self: Any, value: Any, job: str, seconds: float = 0.0) -> Any:
+    """A polling loop: replaces itself with its own signature (the same task id, name and
+    arguments) until Celery has counted ``POLLS - 1`` replacements; its value names the
+    last one's count (its ``step``)."""
+    nesting = int(getattr(self.request, "replaced_task_nesting", 0) or 0)
+    _trace_run(self, job, nesting, value)
+    _work(seconds)
+    if nesting < POLLS - 1:  # on the queue it came from (a replacement takes the default's)
+        queue = (self.request.delivery_info or {}).get("routing_key")
+        return self.replace(self.si(value, job, seconds).set(queue=queue))
+    return _returned(self, job, nesting)
 
 
 #: permits of one key in the permits workload (``lease_limit``)

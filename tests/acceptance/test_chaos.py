@@ -512,13 +512,26 @@ def test_checker__a_refused_unique_call_without_its_event_is_seen(events: int) -
     must have recorded a deduplicated event on the job's key."""
     job = chaos.Job("j1", "chaos.unique", "t1", 0.0, kind="unique", ids={"c0": "t1"})
     job.returned = ("t1", "t1", "t1", "t1")
-    lease = grant("unique:j1", 1, "a", "t1", 0)
+    lease = grant("unique:j1:[1, 2]", 1, "a", "t1", 0)
     release(lease, 1, 1)
     for _ in range(events):
         LeaseEvent.objects.create(lease=lease, kind="deduplicated", task_id="t1", at=at(0))
     done("t1")
     found = run_check([job])
     assert (("unique", "") in found) == (events != 3), found
+
+
+@db
+@pytest.mark.parametrize("step", [chaos_tasks.POLLS - 1, chaos_tasks.POLLS - 2])
+def test_checker__a_replacing_job_that_ended_early_is_seen(step: int) -> None:
+    """(h) A job whose task replaces itself must end in its last replacement: its value
+    names the replacement count it ended in."""
+    job = chaos.Job("j1", "chaos.replace", "t1", 0.0, kind="replace", ids={"task": "t1"})
+    lease = grant("poll:j1", 1, "a", "t1", 0)
+    release(lease, 1, 1)
+    done("t1", result={"job": "j1", "step": step, "task_id": "t1", "token": 1})
+    found = run_check([job])
+    assert (("replace", "") in found) == (step != chaos_tasks.POLLS - 1), found
 
 
 def _permit_history(*grants: tuple[int, int, float, float | None]) -> dict[str, list[Any]]:
