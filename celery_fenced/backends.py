@@ -267,25 +267,35 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         of the message (a busy retry sent while it held the key, a redelivery) is a
         completed duplicate and does not run. A revoke's or an expiry's REVOKED is not:
         a copy sent again still runs, and the outcome it records supersedes this one."""
-        from celery_fenced.execution import FencedExecution, delivery_of
+        from celery_fenced.execution import FencedExecution
 
         drive()
         task_id = getattr(request, "id", None)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
         if not task_id or not isinstance(task, FencedExecution):
             return
-        alias = store.database_alias()
-        store.forget_pending(alias, task_id)
+        store.forget_pending(store.database_alias(), task_id)
+
+    def _job_ended(self, task_id: str, state: str, request: Any) -> store.Delivery | None:
+        """The delivery whose job a reported FAILURE ends: that of a pool process that
+        ended (its hard time limit, its loss), as the execution's own FAILURE would. Its
+        copies are then completed duplicates (:func:`store.settle_elsewhere` marks it with
+        the release of the process's grant). None for any other report."""
+        from celery_fenced.execution import FencedExecution, delivery_of
+
         ended = state_of(request).process
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
         args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
         if (
-            state == states.FAILURE
-            and ended is not None
-            and ended.owner_prefix
-            and args is not None
-            and kwargs is not None
+            state != states.FAILURE
+            or ended is None
+            or not ended.owner_prefix
+            or not isinstance(task, FencedExecution)
+            or args is None
+            or kwargs is None
         ):
-            store.mark_ended(alias, delivery_of(task_id, task.name, args, kwargs, request))
+            return None
+        return delivery_of(task_id, task.name, args, kwargs, request)
 
     # -- the fenced path ----------------------------------------------------------------
     def _store_result(
@@ -609,7 +619,12 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         # running the job
         ended = state_of(request).process
         process = ended.owner_prefix if ended is not None else owners.execution_owner(request)
-        may = store.settle_elsewhere(task_id, process=process, by=f"worker:{state.lower()}")
+        may = store.settle_elsewhere(
+            task_id,
+            process=process,
+            by=f"worker:{state.lower()}",
+            ending=self._job_ended(task_id, state, request),
+        )
         if not may:
             logger.warning(
                 "%s of task %s not recorded: another execution holds its lease",

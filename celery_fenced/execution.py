@@ -643,11 +643,6 @@ def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: A
     from celery_fenced import store
 
     retries = int(getattr(request, "retries", 0) or 0)
-    nesting = _count(getattr(request, "replaced_task_nesting", 0))
+    nesting = keys.replacements(getattr(request, "replaced_task_nesting", 0))
     digest = keys.message_digest(task_id, task_name, args, kwargs, nesting)
-    return store.Delivery(task_id, digest, retries)
-
-
-def _count(value: Any) -> int:
-    """A count a message carries (Celery's ``replaced_task_nesting``); 0 when it is none."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    return store.Delivery(task_id, digest, retries, nesting)

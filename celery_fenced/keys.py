@@ -101,6 +101,12 @@ def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) 
     return f"{task_name[:room]}:{digest}"
 
 
+def replacements(value: Any) -> int:
+    """How many times a task replaced itself before this message: Celery's
+    ``replaced_task_nesting`` as a message or its options carry it (0 when none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def message_digest(
     task_id: str,
     task_name: str,

@@ -202,6 +202,12 @@ class PendingJob(models.Model):
         help_text="A plain task sent on by a fenced execution's outcome: no grant ends it; "
         "its sending does.",
     )
+    nesting = models.PositiveIntegerField(
+        default=0,
+        help_text="How many times the task replaced itself before this message (Celery's "
+        "replaced_task_nesting; the task id stays): a copy of an earlier message of the "
+        "task id does not end this row.",
+    )
 
     class Meta:
         verbose_name = "pending job"

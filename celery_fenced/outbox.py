@@ -27,7 +27,7 @@ from django.utils import timezone
 from kombu import serialization
 from kombu.exceptions import OperationalError
 
-from celery_fenced import outages, reclaim, signals
+from celery_fenced import keys, outages, reclaim, signals
 
 #: set while the package sends a message that must not wait for a commit: a retry or a
 #: replacement raised inside the caller's own transaction, which the raise rolls back
@@ -421,6 +421,7 @@ def _row(
         eta=_moment(options.get("eta")),
         expires=expires,
         resend_after=conf.load(app).outbox_resend_after,
+        nesting=keys.replacements(options.get("replaced_task_nesting")),
         **{"key": "", **fields},
     )
 

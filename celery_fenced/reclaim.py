@@ -248,9 +248,9 @@ def delivery_of(task_id: str, job: Job) -> Delivery:
     from celery_fenced import keys, store
 
     retries = int(job.options.get("retries") or 0)
-    nesting = int(job.options.get("replaced_task_nesting") or 0)
+    nesting = keys.replacements(job.options.get("replaced_task_nesting"))
     digest = keys.message_digest(task_id, job.task, job.args, job.kwargs, nesting)
-    return store.Delivery(task_id, digest, retries)
+    return store.Delivery(task_id, digest, retries, nesting)
 
 
 def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -> None:

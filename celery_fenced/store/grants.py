@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import conf, signals
@@ -21,7 +22,7 @@ from celery_fenced.store.dialects.records import (
     Holder,
 )
 from celery_fenced.store.held import HeldLease
-from celery_fenced.store.outbox import forget_pending
+from celery_fenced.store.outbox import forget_pending, mark_ended
 from celery_fenced.store.validation import (
     database_alias,
     default_owner,
@@ -103,7 +104,7 @@ def acquire(
         )
     if isinstance(outcome, Completed):
         if ends_pending and task_id:
-            forget_pending(alias, task_id)
+            forget_pending(alias, task_id, up_to=delivery.nesting if delivery else 0)
         raise AlreadyCompleted(key, task_id, outcome.retries)
     if isinstance(outcome, Holder):
         if limit is None and not outcome.owner:  # a head of permits has no owner
@@ -210,7 +211,12 @@ def process_holds(task_id: str, process: str, *, using: str | None = None) -> bo
 
 
 def settle_elsewhere(
-    task_id: str, *, process: str | None, by: str, using: str | None = None
+    task_id: str,
+    *,
+    process: str | None,
+    by: str,
+    using: str | None = None,
+    ending: Delivery | None = None,
 ) -> bool:
     """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
@@ -229,6 +235,13 @@ def settle_elsewhere(
     Returns False too when the process holds no grant of ``task_id`` any more because
     another execution of it took its grant over: that one's outcome is the job's, even
     once it has ended (a second hard time limit's report would send the errbacks again).
+
+    ``ending``: the delivery that this report ends the job of (the FAILURE of a pool
+    process that ended: the job's outcome, as its own FAILURE would be). It is marked
+    ended in the transaction that releases the process's grant, before the release: a
+    copy of the message granted once the key is free is a completed duplicate — marked
+    after, the copy could run in between and turn the FAILURE into a SUCCESS after the
+    errbacks went out.
     """
     alias = database_alias(using)
     dialect = dialects.for_alias(alias)
@@ -252,8 +265,9 @@ def settle_elsewhere(
         if process is None and not live:
             continue
         if process is not None and _owned_by(owner, process):
-            ended = dialect.force_release(key, by, task_id=task_id, token=token)
+            ended = _release_ending(alias, dialect, key, by, task_id, token, ending)
             if ended is not None:
+                ending = None  # marked with the release
                 logger.info(
                     "task %s ended (%s): released its grant of %r (token %s)",
                     task_id,
@@ -273,7 +287,30 @@ def settle_elsewhere(
                 )
         else:
             others = True
+    if not others and ending is not None:  # the process's grant had ended already
+        mark_ended(alias, ending)
     return not others
+
+
+def _release_ending(
+    alias: str,
+    dialect: Any,
+    key: str,
+    by: str,
+    task_id: str,
+    token: int,
+    ending: Delivery | None,
+) -> Any:
+    """Force-release ``token`` of ``key``, marking ``ending`` ended first in the same
+    transaction (not at all when the release finds the grant gone)."""
+    if ending is None:
+        return dialect.force_release(key, by, task_id=task_id, token=token)
+    with transaction.atomic(using=alias):
+        mark_ended(alias, ending)
+        ended = dialect.force_release(key, by, task_id=task_id, token=token)
+        if ended is None:
+            transaction.set_rollback(True, using=alias)
+        return ended
 
 
 def _owned_by(owner: str, process: str) -> bool:

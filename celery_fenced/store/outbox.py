@@ -67,9 +67,14 @@ def mark_unsent(alias: str, task_id: str) -> None:
     )
 
 
-def forget_pending(alias: str, task_id: str) -> int:
-    """Delete the pending row of ``task_id`` (revoked, or expired in the worker)."""
-    deleted, _ = PendingJob.objects.using(alias).filter(task_id=task_id).delete()
+def forget_pending(alias: str, task_id: str, *, up_to: int | None = None) -> int:
+    """Delete the pending row of ``task_id`` (revoked, or expired in the worker); with
+    ``up_to``, a delivery's replacement count, not the row of a later replacement of
+    the task (which keeps the task id)."""
+    rows = PendingJob.objects.using(alias).filter(task_id=task_id)
+    if up_to is not None:
+        rows = rows.filter(nesting__lte=up_to)
+    deleted, _ = rows.delete()
     return deleted
 
 

@@ -16,6 +16,8 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.utils.imports import symbol_by_name
 from celery.worker.control import control_command
 
+from celery_fenced.request_state import state_of
+
 
 @control_command(
     args=[("task_id", str), ("task_name", str), ("pid", int)],
@@ -31,5 +33,5 @@ def report_hard_time_limit(state: Any, task_id: str, task_name: str, pid: int) -
     )
     request.on_accepted(pid, time.monotonic())
     request.on_timeout(False, 1.0)
-    ended = getattr(request._context, "_fenced_process", None)
-    return {"ok": getattr(ended, "owner_prefix", None)}
+    ended = state_of(request._context).process
+    return {"ok": ended.owner_prefix if ended is not None else None}

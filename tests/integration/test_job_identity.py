@@ -295,3 +295,32 @@ def test_replaced_job_resent_by_the_reclaimer__keeps_its_place_in_the_job(
     deliver(app, copy)  # the replacement's message "lost": its copy runs the step
     assert runs("identity.poll") == ["z", "z"]
     assert status(lease_db, copy[0]["id"]) == ("SUCCESS", '"z polled 2 times"')
+
+
+def test_replace__a_late_copy_of_the_replaced_message_leaves_the_replacements_row(
+    capture: Any, lease_db: str
+) -> None:
+    """The replacement's outbox row (the same task id) stands until the replacement is
+    granted: a late copy of the message it replaced — a duplicate — does not end it, and
+    the reclaimer sends the replacement again when the broker lost it."""
+    app = make_app()
+    broker = capture(app)
+    app.signature("identity.poll", ("w", 3), immutable=True).apply_async()
+    deliver(app, broker.sent("identity.poll")[0])  # replaced: replacement 1 recorded
+    first_replacement = broker.sent("identity.poll")[1]
+    deliver(app, first_replacement)  # replaced again: replacement 2 recorded
+    task_id = first_replacement[0]["id"]
+    assert PendingJob.objects.using(lease_db).get(task_id=task_id).nesting == 2
+    deliver(app, first_replacement)  # a late copy of replacement 1: a duplicate
+    assert PendingJob.objects.using(lease_db).filter(task_id=task_id).exists()
+    # replacement 2's message lost by the broker: the reclaimer sends it again
+    PendingJob.objects.using(lease_db).update(
+        resend_at=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+    )
+    assert [o.action for o in resend_pending(app, using=lease_db)] == ["resent"]
+    copy = broker.sent("identity.poll")[-1]
+    assert copy[0]["replaced_task_nesting"] == 2
+    deliver(app, copy)
+    assert runs("identity.poll") == ["w", "w", "w"]
+    assert status(lease_db, task_id) == ("SUCCESS", '"w polled 3 times"')
+    assert not PendingJob.objects.using(lease_db).exists()

@@ -27,6 +27,7 @@ from django_celery_results.models import TaskResult
 
 from celery_fenced import acquire, owners
 from celery_fenced.models import Lease
+from celery_fenced.request_state import state_of
 from celery_fenced.requests import FencedRequest
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_seams import RUNS, Broker, deliver, status, wait_for
@@ -122,6 +123,44 @@ def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not
     headers, body = copy
     deliver(app, ({**headers, "retries": headers["retries"] + 1}, body))
     assert [run[:2] for run in RUNS if run[0] == "seams.step"] == [("seams.step", "t")]
+
+
+def test_hard_time_limit__a_copy_granted_as_the_grant_is_released_is_a_duplicate(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes]
+) -> None:
+    """A copy of the message is delivered the moment the main process's report releases
+    the pool process's grant, before the FAILURE is stored: the delivery was marked ended
+    with that release, so the copy is a duplicate — it was granted and ran, and its
+    SUCCESS stood after the errback went out (the chaos runner's invariant e)."""
+    from celery_fenced import signals
+
+    app = broker.app
+    app.signature("seams.step", ("t",)).apply_async(
+        task_id="t1", link_error=app.signature("seams.errback")
+    )
+    copy = broker.one("seams.step")
+    key = copy[0]["fenced_lease_key"]
+    pid = pool_process.pid
+    acquire(key, ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
+    delivered: list[Any] = []
+
+    def deliver_the_copy(sender: Any = None, forced: bool = False, **_: Any) -> None:
+        if forced and not delivered:
+            delivered.append(deliver(app, copy))
+
+    signals.lease_released.connect(deliver_the_copy, weak=False)
+    try:
+        request = accepted(broker, "t1", pid)
+        request.on_timeout(False, 1.0)
+        pool_process.kill()
+        pool_process.wait()
+        wait_for(lambda: not reports_waiting(), "the report")
+    finally:
+        signals.lease_released.disconnect(deliver_the_copy)
+    assert delivered, "the copy was not delivered at the release"
+    assert [run for run in RUNS if run[0] == "seams.step"] == []
+    assert status(lease_db, "t1")[0] == states.FAILURE
+    assert len(broker.sent("seams.errback")) == 1
 
 
 def test_hard_time_limits_of_a_taken_over_process_and_its_taker__one_report_records(
@@ -235,5 +274,7 @@ def test_report_of_a_pool_process__another_worker_start_with_its_pid_keeps_its_g
     assert not TaskResult.objects.using(lease_db).filter(task_id="t1").exists()
     assert broker.sent("seams.errback") == []
     # the report named pid ``pid`` of this worker start; the other's owner has another boot id
-    assert request._context._fenced_process.owner_prefix == owners.process_prefix("w@seams", pid)
+    ended = state_of(request._context).process
+    assert ended is not None
+    assert ended.owner_prefix == owners.process_prefix("w@seams", pid)
     assert owner.split(":")[1] != owners.boot()

@@ -181,12 +181,12 @@ class PostgreSQL(SQLDialect):
         eta, relative_expiry = pending.eta, isinstance(pending.expires, int | float)
         values = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
                     expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
-                    unique_key, unique_until, started_token, plain)
+                    unique_key, unique_until, started_token, plain, nesting)
                 VALUES (%s, %s, %s, %s, {self.NOW},
                         {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
                         {self.expiry("%s") if relative_expiry else "%s"},
                         {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', %s, %s, NULL, %s)"""
+                        0, %s, NULL, '', %s, %s, NULL, %s, %s)"""
         params = self._pending_params(pending, unique=True)
         ended = (
             self._ended_sql_until_done()
@@ -292,28 +292,29 @@ class PostgreSQL(SQLDialect):
         """
         if not granted:  # only when the statement's ``holder`` CTE found the key held
             return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND started_token IS NULL
-                         AND EXISTS (SELECT 1 FROM holder))"""
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND nesting <= %s
+                         AND started_token IS NULL AND EXISTS (SELECT 1 FROM holder))"""
         return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND nesting <= %s
                          AND EXISTS (SELECT 1 FROM granted))"""
 
     def _end_pending_stamping(self) -> str:
         """:meth:`_end_pending` of a granted ``lease_unique="until_done"`` task: its row
         is kept, stamped with the grant's token — it stands for the running copy until
-        that grant ends (two parameters: the task id twice)."""
+        that grant ends (four parameters: the task id and the delivery's nesting, twice)."""
         return f""",
-                pend AS (DELETE FROM {PENDING} WHERE task_id = %s
+                pend AS (DELETE FROM {PENDING} WHERE task_id = %s AND nesting <= %s
                          AND unique_until <> 'until_done' AND EXISTS (SELECT 1 FROM granted)),
                 began AS (UPDATE {PENDING} SET started_token = (SELECT token FROM granted)
-                          WHERE task_id = %s AND unique_until = 'until_done'
+                          WHERE task_id = %s AND nesting <= %s AND unique_until = 'until_done'
                           AND EXISTS (SELECT 1 FROM granted))"""
 
     @staticmethod
     def _end_pending_params(request: GrantRequest, *, granted: bool) -> list[Any]:
         if not request.ends_pending:
             return []
-        return [request.task_id] * (2 if granted and request.stamps_started else 1)
+        ending = [request.task_id, request.nesting]
+        return ending * (2 if granted and request.stamps_started else 1)
 
     def _routine_grant(self, request: GrantRequest) -> Grant | None:
         """The grant of a new or released key: the upsert alone, without the takeover's event.
@@ -469,10 +470,11 @@ class PostgreSQL(SQLDialect):
                 displaced AS (
                     INSERT INTO {PENDING} AS q (task_id, task_name, key, job, published_at,
                         eta, expires_at, resend_at, sends, unsent, abandoned_at,
-                        abandoned_reason, unique_key, unique_until, started_token, plain)
+                        abandoned_reason, unique_key, unique_until, started_token, plain,
+                        nesting)
                     SELECT p.task_id, p.task_name, p.key, p.job, statement_timestamp(), NULL,
                            NULL, statement_timestamp(), p.reclaim_attempts, false, NULL, '',
-                           NULL, '', NULL, false
+                           NULL, '', NULL, false, 0
                     FROM {LEASE} p, granted g
                     WHERE {"p.id = g.id" if by_id else "p.key = %s"}
                       AND g.reclaimed_from <> '' AND p.released_at IS NULL

@@ -125,6 +125,10 @@ class Delivery:
     task_id: str
     digest: str
     retries: int
+    #: Celery's ``replaced_task_nesting`` of the message: a task that replaced itself keeps
+    #: its task id, and only a delivery of this replacement or a later one ends the
+    #: outbox row of a replacement
+    nesting: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,12 @@ class GrantRequest:
     stamps_started: bool = False
     #: ``lease_limit``: grant one of this many permits of the key (None: the key itself)
     limit: int | None = None
+
+    @property
+    def nesting(self) -> int:
+        """The delivery's replacement count: it ends no outbox row of a later replacement
+        of its task (one that task sent when it replaced itself keeps the task id)."""
+        return self.delivery.nesting if self.delivery is not None else 0
 
 
 @dataclass(frozen=True)
@@ -298,3 +308,5 @@ class Pending:
     same_job: bool = False
     #: a plain task's job (no lease): its row ends when a worker starts it, not at a grant
     plain: bool = False
+    #: Celery's ``replaced_task_nesting`` of the message (see :class:`Delivery`)
+    nesting: int = 0

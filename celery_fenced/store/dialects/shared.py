@@ -73,6 +73,7 @@ class PortableOperations(Dialect, PermitGrants):
             "unsent": False,
             "abandoned_at": None,
             "abandoned_reason": "",
+            "nesting": pending.nesting,
         }
 
     def record_unique_pending(self, pending: Pending) -> str:
@@ -201,7 +202,7 @@ class PortableOperations(Dialect, PermitGrants):
         in one transaction."""
         with transaction.atomic(using=self.alias):
             settled = not request.ends_pending or self._pending_before_grant(
-                request.task_id, keep_until_done=request.stamps_started
+                request.task_id, request.nesting, keep_until_done=request.stamps_started
             )
             outcome = (
                 self._grant_in_transaction(request)
@@ -210,7 +211,7 @@ class PortableOperations(Dialect, PermitGrants):
             )
             if not settled:
                 granted = outcome.token if isinstance(outcome, Grant) else None
-                self._pending_after_grant(request.task_id, granted)
+                self._pending_after_grant(request.task_id, request.nesting, granted)
             return outcome
 
     def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
@@ -249,25 +250,28 @@ class PortableOperations(Dialect, PermitGrants):
         except IntegrityError:  # recorded meanwhile by its own publish (a retry's)
             pass
 
-    def _pending_before_grant(self, task_id: str, *, keep_until_done: bool) -> bool:
+    def _pending_before_grant(self, task_id: str, nesting: int, *, keep_until_done: bool) -> bool:
         """A delivery is granted, busy or a duplicate: its job is no longer pending —
         except, for a ``lease_unique="until_done"`` task (``keep_until_done``), its
         ``until_done`` row, which :meth:`_pending_after_grant` settles. Returns whether
-        nothing is left to settle."""
-        rows = PendingJob._default_manager.using(self.alias).filter(task_id=task_id)
+        nothing is left to settle. A delivery ends no row of a later replacement of its
+        task (``nesting``: :class:`~.records.Delivery`)."""
+        rows = PendingJob._default_manager.using(self.alias).filter(
+            task_id=task_id, nesting__lte=nesting
+        )
         if not keep_until_done:
             rows.delete()
             return True
         deleted, _ = rows.exclude(unique_until="until_done").delete()
         return bool(deleted)
 
-    def _pending_after_grant(self, task_id: str, token: int | None) -> None:
+    def _pending_after_grant(self, task_id: str, nesting: int, token: int | None) -> None:
         """An ``until_done`` row stays while its grant (``token``) runs; without a grant
         (busy, a duplicate) it ends — unless it has started: then it stands for the
         execution that holds (or held) its grant, not for this delivery (a redelivery of
         the running copy's message finds the key busy)."""
         rows = PendingJob._default_manager.using(self.alias).filter(
-            task_id=task_id, unique_until="until_done"
+            task_id=task_id, unique_until="until_done", nesting__lte=nesting
         )
         if token is None:
             rows.filter(started_token__isnull=True).delete()

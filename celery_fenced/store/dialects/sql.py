@@ -45,12 +45,12 @@ class SQLDialect(PortableOperations):
         eta, relative_expiry = pending.eta, isinstance(pending.expires, int | float)
         values = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
                     expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
-                    unique_key, unique_until, started_token, plain)
+                    unique_key, unique_until, started_token, plain, nesting)
                 VALUES (%s, %s, %s, %s, {self.NOW},
                         {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
                         {self.expiry("%s") if relative_expiry else "%s"},
                         {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', NULL, '', NULL, %s)"""
+                        0, %s, NULL, '', NULL, '', NULL, %s, %s)"""
         params = self._pending_params(pending, unique=False)
         self._fetch(
             f"""{values}
@@ -86,6 +86,7 @@ class SQLDialect(PortableOperations):
             False,
             *([pending.key, pending.unique or ""] if unique else []),
             pending.plain,
+            pending.nesting,
         ]
 
     @staticmethod
@@ -95,7 +96,7 @@ class SQLDialect(PortableOperations):
                     published_at = excluded.published_at, eta = excluded.eta,
                     expires_at = excluded.expires_at, resend_at = excluded.resend_at,
                     sends = 0, unsent = excluded.unsent, abandoned_at = NULL,
-                    abandoned_reason = ''"""
+                    abandoned_reason = '', nesting = excluded.nesting"""
 
     def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         with self.connection.cursor() as cursor:
