@@ -208,7 +208,7 @@ class FencedExecution:
         """The key this execution runs under: the one its message carries, decided where
         the job was published; else (a message from a publisher that did not decide it,
         a direct or eager call) rendered from the arguments as they arrived."""
-        carried = keys.carried_key(_message_headers(request))
+        carried = keys.carried_key(_message_headers(request), self.name, request.id)
         if carried is not None:
             return carried
         return keys.render_key(self.name, options.key, self.run, args, kwargs)
@@ -218,16 +218,23 @@ class FencedExecution:
         now, once, for every copy of its message (:data:`keys.KEY_HEADER`): the key the
         options' headers already carry (a retry's, a re-send's), the running lease's for
         a retry of the running job, else rendered from the arguments as the message
-        carries them. None when the arguments give no key: the worker reports that."""
+        carries them. None when the arguments give no key: the worker reports that.
+
+        A key header decided for another job (a parent's headers passed on) is not this
+        job's; a retry with other arguments (``retry(args=...)``) works on what they name,
+        and runs under their key."""
         from celery_fenced import outbox
 
-        carried = keys.carried_key(_headers_option(options))
-        if carried is not None:
-            return carried
-        running = getattr(self.request, "lease_key", None)
-        if outbox.is_same_job() and running and self.request.id == options.get("task_id"):
-            return str(running)
         serializer = options.get("serializer") or getattr(self, "serializer", None) or "json"
+        task_id = options.get("task_id")
+        retried = outbox.is_same_job() and self.request.id == task_id
+        if not retried or _same_arguments(self.request, args, kwargs, serializer):
+            carried = keys.carried_key(_headers_option(options), self.name, task_id)
+            if carried is not None:
+                return carried
+            running = getattr(self.request, "lease_key", None)
+            if retried and running:
+                return str(running)
         try:
             spec = self.fenced_options().key
             return keys.publish_key(
@@ -271,7 +278,12 @@ class FencedExecution:
         chosen = task_id or uuid()
         key = self.publish_key(args, kwargs, {**options, "task_id": chosen})
         if key is not None:  # every copy of the message runs under it
-            options["headers"] = {**_headers_option(options), keys.KEY_HEADER: key}
+            options["headers"] = {
+                **_headers_option(options),
+                **keys.key_headers(key, self.name, chosen),
+            }
+        elif keys.KEY_HEADER in _headers_option(options):  # not this job's key
+            options["headers"] = keys.without_key(_headers_option(options))
         if more or not self.fenced_options().outbox:
             return plain(args, kwargs, chosen, *more, **options)
         if outbox.sends_at_once():
@@ -630,9 +642,24 @@ def _message_headers(request: Any) -> Mapping[str, Any]:
     fields = vars(request)
     headers = fields.get("headers")
     found = dict(headers) if isinstance(headers, Mapping) else {}
-    if keys.KEY_HEADER in fields:
-        found[keys.KEY_HEADER] = fields[keys.KEY_HEADER]
+    for name in (keys.KEY_HEADER, keys.JOB_HEADER):
+        if name in fields:
+            found[name] = fields[name]
     return found
+
+
+def _same_arguments(request: Any, args: Any, kwargs: Any, serializer: str) -> bool:
+    """Whether ``args`` and ``kwargs`` are those of the message ``request`` runs (as that
+    message carries them)."""
+    had = (list(request.args or ()), dict(request.kwargs or {}))
+    given = (list(args or ()), dict(kwargs or {}))
+    if given == had:
+        return True
+    try:
+        carried = keys.as_carried(*given, serializer)
+    except Exception:
+        return False
+    return (list(carried[0]), dict(carried[1])) == had
 
 
 def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:

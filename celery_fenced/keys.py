@@ -213,13 +213,36 @@ def publish_key(
     return render_key(task_name, spec, run, args, kwargs)
 
 
-def carried_key(headers: Mapping[str, Any] | None) -> str | None:
-    """The key a message's ``headers`` carry (:data:`KEY_HEADER`), checked; None when
-    they carry none."""
-    if not headers:
+#: the message header naming the job :data:`KEY_HEADER`'s key was decided for (its task
+#: name and id, :func:`job_of`): a key header that reached another job's message (a
+#: parent's headers passed on to the job it publishes) is not that job's key
+JOB_HEADER = "fenced_lease_key_job"
+
+
+def job_of(task_name: str, task_id: str) -> str:
+    """The job a key header names: ``task name[task id]``."""
+    return f"{task_name}[{task_id}]"
+
+
+def key_headers(key: str, task_name: str, task_id: str) -> dict[str, str]:
+    """The headers that carry ``key`` as the key of job ``task_id`` of ``task_name``."""
+    return {KEY_HEADER: key, JOB_HEADER: job_of(task_name, task_id)}
+
+
+def without_key(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """``headers`` without a key of their own (:func:`key_headers`)."""
+    return {k: v for k, v in headers.items() if k not in (KEY_HEADER, JOB_HEADER)}
+
+
+def carried_key(
+    headers: Mapping[str, Any] | None, task_name: str, task_id: str | None
+) -> str | None:
+    """The key a message's ``headers`` carry (:data:`KEY_HEADER`) for job ``task_id`` of
+    ``task_name``, checked; None when they carry none, or one decided for another job."""
+    if not headers or not task_id:
         return None
     key = headers.get(KEY_HEADER)
-    if key is None:
+    if key is None or headers.get(JOB_HEADER) != job_of(task_name, task_id):
         return None
     return check_key(key, f"the {KEY_HEADER} header of the message")
 

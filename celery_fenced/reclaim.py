@@ -175,7 +175,7 @@ def job_for(
     from celery_fenced import keys  # its models need Django's app registry
 
     options = _options(task, request)
-    options["headers"] = {keys.KEY_HEADER: key}
+    options["headers"] = keys.key_headers(key, task.name, request.id)
     job = Job(task.name, list(args), dict(kwargs), options)
     try:
         return encode_job(job)

@@ -63,9 +63,16 @@ def _send_task(
             return task.apply_async(args, kwargs, **_apply_async_options(options))
         fenced = None if task is not None else conf.load(app).configured_options(name)
         if fenced is not None:
+            # the job's id, chosen now: its key header names it
+            options["task_id"] = options.get("task_id") or uuid()
             key = _publish_key(app, name, fenced.key, args, kwargs, options)
             if key is not None:  # every copy of the message runs under it
-                options["headers"] = {**_headers(options), keys.KEY_HEADER: key}
+                options["headers"] = {
+                    **_headers(options),
+                    **keys.key_headers(key, name, options["task_id"]),
+                }
+            elif keys.KEY_HEADER in _headers(options):  # another job's
+                options["headers"] = keys.without_key(_headers(options))
             if fenced.outbox and not outbox.sends_at_once():
                 return _publish(app, original, name, fenced, args, kwargs, options, key)
     alias = outbox.plain_recording()
@@ -99,7 +106,7 @@ def _publish_key(
     without the task knows: the key the headers already carry; a template whose every
     field is a keyword argument; a callable key. None otherwise (the default key needs
     the task's signature): the worker decides it."""
-    carried = keys.carried_key(_headers(options))
+    carried = keys.carried_key(_headers(options), name, options.get("task_id"))
     if carried is not None:
         return carried
     if spec is None:

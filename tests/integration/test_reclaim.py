@@ -22,6 +22,7 @@ from kombu import Exchange, Queue
 from celery_fenced import acquire
 from celery_fenced import conf as fenced_conf
 from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.keys import key_headers
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from celery_fenced.reclaim import Job, decode_job, encode_job, job_for, reclaim_expired
@@ -456,7 +457,8 @@ def test_job_for__records_routing_and_workflow_of_the_request() -> None:
         "retries": 2,
         "time_limit": 60,
         "soft_time_limit": 50,
-        "headers": {"fenced_lease_key": "k"},  # a copy sent again runs under the same key
+        # a copy sent again runs under the same key, decided for this job
+        "headers": key_headers("k", TASK, "tid"),
     }
 
 
@@ -468,7 +470,7 @@ def test_job_for__unknown_exchange_keeps_exchange_and_routing_key() -> None:
     assert job.options == {
         "exchange": "topics",
         "routing_key": "a.b",
-        "headers": {"fenced_lease_key": "k"},
+        "headers": key_headers("k", TASK, "tid"),
     }
 
 
@@ -516,7 +518,11 @@ def test_fenced_task__its_grant_records_the_job_and_the_release_drops_it(
         [],
         {"marker": "m"},
         # a copy sent again runs under the key this grant took
-        {"queue": "q-probe", "priority": 0, "headers": {"fenced_lease_key": value["key"]}},
+        {
+            "queue": "q-probe",
+            "priority": 0,
+            "headers": key_headers(value["key"], "testproject.demo.tasks.probe", "task-1"),
+        },
     )
 
 
