@@ -526,7 +526,7 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         grant = store.grant_of(lease.key, using=lease.alias)
         current_task, ended = grant if grant is not None else ("", True)
         newer = current if current != lease.token else None
-        lease.mark_lost(f"{status} result refused: current token is {current}")
+        lease.mark_lost(f"{status} result refused: current token is {current}", warn=False)
         stale = store.reject_stale(
             lease.key,
             lease.token,
@@ -536,6 +536,8 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
             owner=lease.owner,
             what=f"{status} result",
             task_name=lease.task_name,
+            # the FAILURE of the body's own refused write: that refusal was the warning
+            logged=_refused_under(result, lease),
         )
         if current_task == task_id and (newer is not None or not ended):
             # A redelivery: the newer execution owns this task's result. Or this
@@ -700,6 +702,16 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if not isinstance(key, str):
             return True
         return not store.grant_live_since(key, token, task_id)
+
+
+def _refused_under(outcome: Any, lease: HeldLease) -> bool:
+    """Whether ``outcome`` is a write refused under ``lease``'s key and token (logged as
+    a warning when it was refused)."""
+    return (
+        isinstance(outcome, StaleToken)
+        and outcome.key == lease.key
+        and outcome.token == lease.token
+    )
 
 
 def _from_scratch(request: Any) -> Callable[[], None]:

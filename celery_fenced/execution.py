@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 UNLIMITED_RETRIES = sys.maxsize
 #: the message header counting re-sends after a database error (for the backoff only)
 DATABASE_RETRIES = "fenced_database_retries"
+#: what an execution fenced out raises (its grant gone, its write refused): an expected
+#: end, whose refusal or loss is logged once as a warning where it happens; Celery logs
+#: the task's end at INFO, without a traceback (``Task.throws``)
+FENCED_OUT: tuple[type[Exception], ...] = (LeaseLost, StaleToken)
+
+
+def with_fenced_out(throws: Any) -> tuple[type[Exception], ...]:
+    """A task's ``throws`` (a tuple, one class or nothing) with :data:`FENCED_OUT` added."""
+    own = (throws,) if isinstance(throws, type) else tuple(throws or ())
+    return (*own, *(exc for exc in FENCED_OUT if exc not in own))
 
 
 class FencedExecution:
@@ -60,10 +70,24 @@ class FencedExecution:
     #: the worker's request class: it tells the backend which pool process ended
     Request = "celery_fenced.requests:FencedRequest"
 
+    #: Celery's expected exceptions: the task's own, and :data:`FENCED_OUT`
+    throws: tuple[type[Exception], ...]
     name: str
     request: Any
     app: Celery
     run: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Each task class's ``throws`` (its own, or the class it fences) gains
+        :data:`FENCED_OUT`."""
+        super().__init_subclass__(**kwargs)
+        cls.throws = with_fenced_out(getattr(cls, "throws", ()))
+
+    @classmethod
+    def annotate(cls) -> None:
+        """Celery's ``task_annotations``; a ``throws`` given there gains :data:`FENCED_OUT`."""
+        super().annotate()  # type: ignore[misc]
+        cls.throws = with_fenced_out(getattr(cls, "throws", ()))
 
     # -- options ---------------------------------------------------------------------
     def fenced_options(self) -> conf.TaskOptions:

@@ -59,7 +59,8 @@ METRICS: tuple[Metric, ...] = (
         "counter",
         ("task", "reason"),
         "Holders that learned their grant was gone; reason: expired (not renewed in time), "
-        "refused (a newer grant), database (unreachable past the ttl) or other.",
+        "refused (a newer grant), database (the last renewal before the deadline failed "
+        "with a database error) or other.",
     ),
     Metric(
         "celery_fenced_released",
@@ -240,7 +241,7 @@ def _on_deduplicated(**kwargs: Any) -> None:
 def lost_reason(reason: object) -> str:
     """The ``reason`` label of a loss: one of a few words, whatever the message says."""
     text = str(reason or "").lower()
-    if "unreachable" in text or "database" in text:
+    if "attempt failed" in text or "unreachable" in text:
         return "database"
     if "refused" in text or "newer" in text or "current token" in text:
         return "refused"

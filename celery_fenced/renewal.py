@@ -119,7 +119,7 @@ class Renewer:
             group = []
             for lease in leases_here:
                 if lease.lost:  # past its deadline, or found lost already (then a no-op)
-                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
+                    lease.mark_lost(lease.unrenewed_reason(), time_limit=seconds)
                 else:
                     group.append(lease)
             if not group:
@@ -130,7 +130,7 @@ class Renewer:
                 outcome = RENEWED if RENEWED in outcomes else FAILED
             for lease in group:
                 if not lease.released and time.monotonic() >= lease.local_deadline:
-                    lease.mark_lost(store.UNRENEWED, time_limit=seconds)
+                    lease.mark_lost(lease.unrenewed_reason(), time_limit=seconds)
             if outcome != RENEWED:
                 time.sleep(min(1.0, min(x.renew_interval for x in group) / 4))
 
@@ -142,6 +142,8 @@ class Renewer:
                 renewed = store.renew_many(alias, group)
             metrics.observe_renewal(time.monotonic() - sent, len(group))
         except Exception as exc:
+            for lease in group:  # a lease lost at its deadline names this error
+                lease.renewal_failed(exc)
             locked = _timed_out(exc)
             logger.warning(
                 "lease renewal failed on %r%s; will retry",

@@ -42,7 +42,7 @@ from celery_fenced.store.grants import (
     record_duplicate,
     settle_elsewhere,
 )
-from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many
+from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many, unrenewed
 from celery_fenced.store.outbox import (
     Due,
     Pending,
@@ -135,6 +135,7 @@ __all__ = [
     "time_limited",
     "unclaim",
     "unclaim_due",
+    "unrenewed",
     "validate_key",
     "validate_owner",
     "validate_ttl",

@@ -35,9 +35,15 @@ def reject_stale(
     owner: str = "",
     what: str = "write",
     task_name: str = "",
+    logged: bool = False,
 ) -> StaleToken:
-    """Record, signal and log a refused write; return the :class:`StaleToken` to raise."""
-    logger.warning(
+    """Record, signal and log a refused write; return the :class:`StaleToken` to raise.
+
+    Logged as a warning naming key, stale token and current token; at INFO when
+    ``logged``: the refused write carries a rejection already logged (the FAILURE of an
+    execution fenced out by that rejection)."""
+    logger.log(
+        logging.INFO if logged else logging.WARNING,
         "stale %s rejected for %r: token %s, current token %s",
         what,
         key,
@@ -106,7 +112,7 @@ def fenced_transaction(
     except Refused as refused:
         current = refused.current
         if lease is not None:
-            lease.mark_lost(f"write refused: current token is {current}")
+            lease.mark_lost(f"write refused: current token is {current}", warn=False)
         raise reject_stale(
             key,
             token,

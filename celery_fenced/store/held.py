@@ -20,8 +20,29 @@ from celery_fenced.store.fenced import fenced_transaction, time_limited
 logger = logging.getLogger("celery_fenced.store")
 
 
-#: why a lease is lost when no renewal confirmed it within its ttl (its local deadline)
-UNRENEWED = "the database was unreachable until the grant expired (no renewal within the ttl)"
+#: why a lease is lost when no renewal confirmed it within its ttl (its local deadline):
+#: what is known, nothing more (a paused process and a database outage look alike here)
+UNRENEWED = "no renewal reached the database before the grant expired"
+#: the longest error text a reason quotes (a driver's message can run to several lines)
+ERROR_TEXT_LIMIT = 200
+
+
+def unrenewed(error: str | None) -> str:
+    """Why a lease is lost at its local deadline. When the last renewal attempt failed,
+    its error; otherwise no attempt failed and none was confirmed in time (the process
+    was paused, overloaded or cut off), and no database error is blamed."""
+    if error is None:
+        return f"{UNRENEWED}: the process was paused, overloaded or cut off (no renewal failed)"
+    return f"{UNRENEWED}: the last renewal attempt failed with {error}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """``exc`` as a reason quotes it: its type and first line, shortened."""
+    lines = str(exc).strip().splitlines()
+    text = " ".join(lines[0].split()) if lines else ""
+    if len(text) > ERROR_TEXT_LIMIT:
+        text = text[: ERROR_TEXT_LIMIT - 1] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class HeldLease:
@@ -65,6 +86,8 @@ class HeldLease:
         self.released = False
         self._ended = False
         self._lost_reason: str | None = None
+        # the error of the last renewal attempt, when it failed (cleared by a success)
+        self._renewal_error: str | None = None
         # monotonic time when the last successful grant/renewal statement was *sent*:
         # the grant is known to run until at least this + ttl
         self._confirmed_at = confirmed_at if confirmed_at is not None else time.monotonic()
@@ -95,8 +118,17 @@ class HeldLease:
     @property
     def lost_reason(self) -> str | None:
         if self._lost_reason is None and self.lost:
-            return UNRENEWED
+            return self.unrenewed_reason()
         return self._lost_reason
+
+    def unrenewed_reason(self) -> str:
+        """Why the grant is lost if its local deadline passed: see :func:`unrenewed`."""
+        return unrenewed(self._renewal_error)
+
+    def renewal_failed(self, exc: BaseException) -> None:
+        """A renewal statement failed with ``exc`` (no answer about the grant)."""
+        with self._lock:
+            self._renewal_error = describe_error(exc)
 
     @property
     def local_deadline(self) -> float:
@@ -108,7 +140,11 @@ class HeldLease:
         """Extend the grant by its ttl. Raises :class:`LeaseLost` if it is no longer held."""
         self._raise_if_lost()
         sent = time.monotonic()
-        renewed = renew_many(self.alias, [self])
+        try:
+            renewed = renew_many(self.alias, [self])
+        except Exception as exc:
+            self.renewal_failed(exc)
+            raise
         self.confirm_renewal(sent, renewed.get((self.key, self.token)))
         self._raise_if_lost()
         return self.expires_at
@@ -126,6 +162,7 @@ class HeldLease:
         with self._lock:
             self.expires_at = expires_at
             self._confirmed_at = max(self._confirmed_at, sent)
+            self._renewal_error = None
 
     def ending(self, state: str) -> Ending:
         """The end of this grant in ``state``, as the store's release statements take it."""
@@ -227,12 +264,19 @@ class HeldLease:
             yield self
 
     def mark_lost(
-        self, reason: str, *, time_limit: float | None = None, record: bool = True
+        self,
+        reason: str,
+        *,
+        time_limit: float | None = None,
+        record: bool = True,
+        warn: bool = True,
     ) -> None:
         """Mark the grant lost, once: log, record a ``lost`` event, send ``lease_lost``.
 
         ``time_limit`` (seconds; the renewer's thread) bounds the event's write, which a
         lock on the lease row would otherwise hold up; ``record=False`` writes no event.
+        ``warn=False``: a refused write revealed the loss, and its rejection is the
+        warning that names key and tokens; the loss is logged at INFO.
         """
         with self._lock:
             if self._lost_reason is not None or self.released:
@@ -241,7 +285,8 @@ class HeldLease:
                 return
             self._lost_reason = reason
         self._end()
-        logger.warning(
+        logger.log(
+            logging.WARNING if warn else logging.INFO,
             "lease %r lost under token %s: %s",
             self.key,
             self.token,
@@ -275,9 +320,9 @@ class HeldLease:
     def _raise_if_lost(self) -> None:
         if self._lost_reason is None and self.lost:  # the local deadline passed unrenewed
             # logged and signalled here; no statement: the database may be what hangs
-            self.mark_lost(UNRENEWED, record=False)
+            self.mark_lost(self.unrenewed_reason(), record=False)
         if self.lost:
-            raise LeaseLost(self.key, self.token, self.lost_reason or UNRENEWED)
+            raise LeaseLost(self.key, self.token, self.lost_reason or self.unrenewed_reason())
 
     def _log_extra(self) -> dict[str, Any]:
         return {"lease_key": self.key, "fencing_token": self.token, "lease_owner": self.owner}

@@ -22,6 +22,7 @@ from django.db import connections
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import LeaseEvent
+from celery_fenced.store import UNRENEWED
 from devtools.services import run_as_postgres
 from devtools.workers import broker_url, configure, send, wait_for
 from testproject.demo.models import ChaosEntry, ChaosSlot
@@ -104,7 +105,8 @@ def test_postgres_down_past_the_ttl__holders_lose_and_every_job_completes_once(
         # renewer gives up once the grant's ttl has passed since its last confirmed renewal
         wait_for(
             lambda: all(
-                f"lease {key!r} lost under token 1: the database was unreachable" in logs()
+                f"lease {key!r} lost under token 1: {UNRENEWED}: the last renewal attempt "
+                "failed with OperationalError" in logs()
                 for key in keys.values()
             ),
             30,

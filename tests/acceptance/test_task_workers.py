@@ -130,6 +130,101 @@ def test_pause_past_ttl__holder_learns_lost_and_next_grant_is_token_plus_one(
     assert taker.release()
 
 
+def test_pause_past_ttl__lost_event_says_what_is_known_not_a_database_outage(
+    alias: str, start_worker: Any
+) -> None:
+    """A worker stopped (SIGSTOP) past its ttl while the database is up: its ``lost``
+    event says no renewal reached the database before the grant expired, and blames no
+    database: no renewal attempt failed."""
+    from celery_fenced import store
+    from celery_fenced.store.dialects import for_alias
+
+    env = {"FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": 2, "key": "job:{job}"}})}
+    worker = start_worker("a", env=env)
+    # still sleeping long after the resume: the renewer, not the body, finds the loss
+    send(EFFECT, queue=start_worker.queue, args=("paused", "e1", 12))
+    lease = wait_for(
+        lambda: Lease.objects.using(alias).filter(key="job:paused").first(), 30, "the grant"
+    )
+    row = Lease.objects.using(alias).filter(pk=lease.pk)
+    worker.pause()
+    try:
+        wait_for(
+            lambda: for_alias(alias).now() > row.get().expires_at,
+            30,
+            "the grant to expire by the database's clock",
+        )
+    finally:
+        worker.resume()
+    lost = wait_for(
+        lambda: (
+            LeaseEvent.objects.using(alias)
+            .filter(lease__key="job:paused", kind="lost", token=lease.token)
+            .first()
+        ),
+        30,
+        "the lost event",
+    )
+    reason = lost.detail["reason"]
+    assert reason == store.unrenewed(None)
+    assert "no renewal reached the database before the grant expired" in reason
+    assert "paused, overloaded or cut off" in reason
+    assert "unreachable" not in reason
+    assert "failed with" not in reason
+    assert f"lease 'job:paused' lost under token {lease.token}: {reason}" in worker.output()
+
+
+@pytest.mark.parametrize("mode", ["base_class", "config"])
+def test_fenced_out_run__one_warning_and_no_error_or_traceback(
+    alias: str, start_worker: Any, mode: str
+) -> None:
+    """Stopped past its ttl, its key taken over, the run wakes and writes: the write is
+    refused as designed. That is one WARNING naming key and tokens, and Celery's line
+    at INFO ("raised expected"), with no ERROR and no traceback; its FAILURE is stored
+    with StaleToken (another job holds the key)."""
+    from celery_fenced import acquire
+    from testproject.demo.models import Report
+
+    env = {"FENCED_TASKS_JSON": json.dumps({EFFECT: {"ttl": 2, "key": "job:{job}"}})}
+    worker = start_worker("a", env=env)
+    if mode == "base_class":
+        report = Report.objects.using(alias).create(name="fenced out")
+        key = f"report:{report.pk}"
+        task = "testproject.demo.tasks.rebuild_report_short"
+        task_id = send(task, queue=start_worker.queue, args=(report.pk,), kwargs={"seconds": 4})
+    else:
+        key, task = "job:out", EFFECT
+        task_id = send(EFFECT, queue=start_worker.queue, args=("out", "e1", 4))
+    lease = wait_for(lambda: Lease.objects.using(alias).filter(key=key).first(), 30, "grant")
+    worker.pause()
+    try:
+        taker = wait_for(lambda: _try_acquire(acquire, key, alias), 30, "the grant to expire")
+    finally:
+        worker.resume()
+    status, value = result_of(alias, task_id)
+    assert (status, value["exc_type"]) == ("FAILURE", "StaleToken")
+    stale, current = lease.token, taker.token
+    assert current == stale + 1
+    wait_for(lambda: f"Task {task}[{task_id}] raised" in worker.output(), 30, "its end")
+    assert f"Task {task}[{task_id}] raised expected: StaleToken(" in worker.output()
+    lines = worker.output().splitlines()
+    refusals = [
+        line
+        for line in lines
+        if "WARNING" in line
+        and repr(key) in line
+        and f"token {stale}" in line
+        and f"current token {current}" in line
+    ]
+    assert len(refusals) == 1, "\n".join(lines)
+    # what was refused: the body's write (its FAILURE's refusal follows at INFO)
+    refused = "stale update of demo.Report" if mode == "base_class" else "stale write"
+    assert f"{refused} rejected for {key!r}" in refusals[0]
+    assert not [line for line in lines if "ERROR" in line or "CRITICAL" in line]
+    assert "Traceback" not in worker.output()
+    assert taker.release()
+
+
 def _try_acquire(acquire: Any, key: str, alias: str) -> Any:
     from celery_fenced import LeaseBusy
 

@@ -10,7 +10,7 @@ from django.db.models import F
 from django.test import Client
 from prometheus_client import REGISTRY
 
-from celery_fenced import LeaseBusy, StaleToken, acquire, force_release, metrics
+from celery_fenced import LeaseBusy, StaleToken, acquire, force_release, metrics, store
 from celery_fenced.models import Lease, PendingJob
 from tests.conftest import WITH_MARIADB
 
@@ -135,6 +135,8 @@ def _pending(alias: str) -> PendingJob:
     ("reason", "label"),
     [
         ("the database was unreachable until the grant expired", "database"),
+        (store.unrenewed("OperationalError: connection refused"), "database"),
+        (store.unrenewed(None), "expired"),
         ("write refused: current token is 4", "refused"),
         ("SUCCESS result refused: current token is 9", "refused"),
         ("renewal failed past the deadline", "expired"),

@@ -11,8 +11,8 @@ import pytest
 from django.db import connections, transaction
 from django.db.models import F
 
-from celery_fenced import LeaseBusy, LeaseLost, acquire
-from celery_fenced.models import Lease
+from celery_fenced import LeaseBusy, LeaseLost, acquire, store
+from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.renewal import Renewer
 from tests.conftest import WITH_MARIADB
 
@@ -153,6 +153,44 @@ def test_lost__by_the_local_deadline_without_asking_the_database(alias: str) -> 
         handle._confirmed_at -= 31  # as if the last confirmed renewal were 31 s ago
     assert lease.lost
     assert lease.lost_reason is not None
-    with pytest.raises(LeaseLost, match="no renewal within the ttl"):
+    with pytest.raises(LeaseLost, match="no renewal reached the database before") as lost:
         lease.check()
+    # no renewal attempt failed: nothing blames the database
+    assert lost.value.reason == store.unrenewed(None)
+    assert "paused, overloaded or cut off" in lost.value.reason
+    assert "unreachable" not in lost.value.reason
     assert not released.lost  # a released lease is not lost
+
+
+def test_lost__at_the_deadline_after_a_failed_renewal_names_its_error(alias: str) -> None:
+    """The last renewal attempt failed on the database (a lock held past the renewer's
+    time limit): the loss at the local deadline names that error, in the log, the
+    ``lost`` event and ``LeaseLost``."""
+    renewer = Renewer()
+    lease = acquire("failing", ttl=2, using=alias, renew_interval=0.3)
+    with row_locked(alias, "failing"):
+        renewer.renew([lease], time_limit=True)  # times out on the lock: a database error
+    assert not lease.marked_lost
+    lease._confirmed_at -= 3  # the local deadline passed with no renewal confirmed
+    renewer.renew([lease], time_limit=True)
+    reason = lease.lost_reason
+    assert reason is not None
+    assert reason.startswith(store.UNRENEWED + ": the last renewal attempt failed with ")
+    assert "OperationalError" in reason
+    assert "paused" not in reason
+    event = LeaseEvent.objects.using(alias).get(lease__key="failing", kind="lost")
+    assert event.detail == {"reason": reason}
+    with pytest.raises(LeaseLost) as lost:
+        lease.check()
+    assert lost.value.reason == reason
+
+
+def test_lost__a_renewal_confirmed_after_a_failed_one_clears_its_error(alias: str) -> None:
+    renewer = Renewer()
+    lease = acquire("recovered", ttl=2, using=alias, renew_interval=0.3)
+    with row_locked(alias, "recovered"):
+        renewer.renew([lease], time_limit=True)
+    renewer.renew([lease], time_limit=True)  # the lock is gone: renewed
+    assert not lease.lost
+    lease._confirmed_at -= 3  # then the process stalls past its deadline
+    assert lease.lost_reason == store.unrenewed(None)

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_fenced.exceptions import FencedConfigurationError
-from celery_fenced.execution import FencedExecution, FencedTask
+from celery_fenced.exceptions import FencedConfigurationError, LeaseLost, StaleToken
+from celery_fenced.execution import FencedExecution, FencedTask, with_fenced_out
 from celery_fenced.hooks import fence_configured_tasks
 
 
@@ -287,3 +287,35 @@ def test_a_registry_of_the_fencing_class_made_elsewhere__stores_as_a_plain_one()
     other["mod.add"] = app.tasks["other.sub"]
     assert other["mod.add"] is app.tasks["other.sub"]
     assert list(app.tasks.fromkeys(["a"])) == ["a"]
+
+
+@pytest.mark.parametrize("fenced_by", ["base_class", "config", "annotation"])
+def test_throws__the_tasks_own_kept_and_fenced_out_added(fenced_by: str) -> None:
+    """Celery logs an exception of ``throws`` as expected (INFO, no traceback): an
+    execution fenced out raises LeaseLost or StaleToken, whose refusal is logged already;
+    the task's own expected exceptions stay."""
+    app = Celery("throws", set_as_current=False)
+    app.conf.fenced_tasks = {"throws.plain": {"ttl": 5}}
+    if fenced_by == "annotation":
+        app.conf.task_annotations = {"throws.task": {"throws": (KeyError,)}}
+    own = {} if fenced_by == "annotation" else {"throws": (KeyError,)}
+
+    def body() -> None:
+        pass
+
+    if fenced_by == "config":
+        app.task(name="throws.plain", shared=False, **own)(body)
+    else:
+        app.task(name="throws.task", base=FencedTask, lease_ttl=5, shared=False, **own)(body)
+    app.finalize()
+    fence_configured_tasks(app)
+    task = app.tasks["throws.plain" if fenced_by == "config" else "throws.task"]
+    assert isinstance(task, FencedExecution)
+    assert task.throws == (KeyError, LeaseLost, StaleToken)
+
+
+def test_throws__a_single_class_or_none_of_its_own() -> None:
+    assert with_fenced_out(None) == (LeaseLost, StaleToken)
+    assert with_fenced_out(ValueError) == (ValueError, LeaseLost, StaleToken)
+    assert with_fenced_out((StaleToken,)) == (StaleToken, LeaseLost)
+    assert FencedTask.throws == (LeaseLost, StaleToken)
