@@ -133,9 +133,9 @@ class Dialect(abc.ABC):
         delivery of the same task id and message (``digest``) retried at least as often.
         A delivery whose ``retries`` is above the completed one's is a retry the body
         asked for before that execution ended: it is not a duplicate. Read from the lease
-        row's marker (the key's last completed job) and from the ``released`` events (jobs
-        completed under the key before another job used it), as far back as ``prune``
-        keeps them.
+        row's marker (the key's last completed job) and from the ``Completion`` table (the
+        markers of jobs completed before another job completed under the key), never from
+        events: pruning them changes nothing here.
         """
 
     # -- reclaim ---------------------------------------------------------------------
