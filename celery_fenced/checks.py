@@ -6,13 +6,14 @@ and what would be valid.
 
 | id | what |
 |---|---|
-| E001 | a ``fenced_*`` setting, or a fenced task's options, invalid |
+| E001 | a ``fenced_*`` setting or a fenced task's options invalid (a misspelt one: the closest) |
 | E002 | ``USE_TZ = False`` |
-| E003 | an unknown ``fenced_*`` / ``CELERY_FENCED_*`` setting (a typo is otherwise ignored) |
+| E003 | a setting that looks like ours but is not (``CELERY_FENCE_TASKS``): it would be ignored |
 | E004 | ``django_celery_results`` missing from ``INSTALLED_APPS`` |
 | E005 | a task module fails to load with a celery-fenced error (a lease-key template) |
 | E006 | the lease database is MariaDB or MySQL and its session time zone is not UTC |
 | E007 | MariaDB or MySQL compares result or group ids by a collation that folds them |
+| E008 | a lease ttl below :data:`MIN_LEASE_TTL` (setting, ``fenced_tasks`` entry, task) |
 | W001 | results and leases in different databases |
 | W002 | fenced tasks, but the result backend does not fence results |
 | W003 | a fenced task with ``acks_late=False`` |
@@ -20,11 +21,16 @@ and what would be valid.
 | W005 | a task's hard time limit longer than the broker's visibility timeout |
 | W006 | a renew interval above half the ttl |
 | W007 | the task modules fail to load for another reason: the fenced tasks go unchecked |
+| W008 | fenced tasks, but no result backend at all |
+| W009 | a ``fenced_tasks`` key that matches no registered task |
+| W010 | a task's own ``acks_late=False``, overridden because ``fenced_tasks`` selects it |
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import re
 from typing import Any
 
 from django.conf import settings
@@ -34,6 +40,11 @@ from celery_fenced import collations, conf, startup
 from celery_fenced.exceptions import FencedConfigurationError
 
 REQUIRED_APPS = ("django_celery_results", "celery_fenced")
+#: The shortest lease ttl (seconds) the checks accept. A lease is renewed every ttl / 3
+#: and is lost when a renewal is 2/3 of the ttl late; below 1 s that is under 667 ms,
+#: within reach of an ordinary GC pause, slow query or TCP retransmission (200 ms at
+#: least on Linux), and the renewals alone are three database writes a second per task.
+MIN_LEASE_TTL = 1.0
 ON_BUSY_MEANS = {
     "retry": "is retried until the lease is free, so the job waits",
     "skip": "is dropped (on_busy='skip'): the job is lost",
@@ -56,9 +67,18 @@ def _app() -> Any:
 def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     try:
-        conf.load()
+        loaded = conf.load()
     except FencedConfigurationError as exc:
         errors.append(checks.Error(str(exc), id="celery_fenced.E001"))
+    else:
+        errors += short_ttl_messages(
+            "fenced_default_ttl", loaded.default_ttl, "fenced_default_ttl"
+        )
+        for pattern, options in loaded.tasks.items():
+            ttl = options.get("ttl")
+            if ttl is not None:
+                where = f"fenced_tasks[{pattern!r}] ttl"
+                errors += short_ttl_messages(where, float(ttl), "fenced_tasks")
     if not settings.USE_TZ:
         errors.append(
             checks.Error(
@@ -70,36 +90,45 @@ def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
     return errors
 
 
+def short_ttl_messages(where: str, ttl: float, obj: str) -> list[checks.CheckMessage]:
+    """E008 when ``ttl`` is below :data:`MIN_LEASE_TTL`."""
+    if ttl >= MIN_LEASE_TTL:
+        return []
+    return [
+        checks.Error(
+            f"{where} is {ttl:g}s, below {MIN_LEASE_TTL:g}s: too short to renew. The lease "
+            f"is renewed every ttl / 3 ({ttl / 3 * 1000:.0f} ms, a database write each "
+            f"time) and lost as soon as one renewal is {ttl * 2 / 3 * 1000:.0f} ms late: a "
+            "garbage-collection pause, a slow query or a retransmitted packet, and the "
+            "running task is fenced out.",
+            hint=f"Give a ttl of {MIN_LEASE_TTL:g}s or more: the lease is renewed while the "
+            "task runs, so a longer ttl only delays the takeover after a worker is lost. "
+            "(If you mean it, say in tests: SILENCED_SYSTEM_CHECKS = "
+            '["celery_fenced.E008"].)',
+            obj=obj,
+            id="celery_fenced.E008",
+        )
+    ]
+
+
 def check_unknown_settings(**kwargs: Any) -> list[checks.CheckMessage]:
-    """A mistyped setting name (``CELERY_FENCED_TASK``) would be ignored: name it."""
-    known = set(conf.DEFAULTS)
-    written: dict[str, str] = {}  # the name as written -> the fenced_* name it means
-    for name in dir(settings):
-        if name.startswith("CELERY_FENCED_"):
-            written[name] = name[len("CELERY_") :].lower()
-    try:
-        names = list(_app().conf.keys())
-    except Exception:  # a broken app configuration is Celery's to report
-        names = []
-    for name in names:
-        if not isinstance(name, str):
-            continue
-        if name.upper().startswith("CELERY_FENCED_"):
-            written[name] = name[len("CELERY_") :].lower()
-        elif name.lower().startswith("fenced_"):
-            written[name] = name.lower()
+    """A setting that looks like one of ours but is not (``CELERY_FENCED_TASK``,
+    ``CELERY_FENCE_TASKS``, ``CELERY_FENCED_TTL``) would be ignored: name it."""
+    written: list[object] = [name for name in dir(settings) if name.isupper()]
+    with contextlib.suppress(Exception):  # a broken app configuration is Celery's to report
+        written += list(_app().conf.keys())
     errors: list[checks.CheckMessage] = []
-    for name, meant in sorted(written.items()):
-        if meant in known:
+    for name in sorted({name for name in written if isinstance(name, str)}):
+        django_style = name.isupper()
+        if _is_ours(name, django_style) or not _looks_ours(name, django_style):
             continue
-        django_style = name.upper().startswith("CELERY_")
-        close = difflib.get_close_matches(meant, sorted(known), n=1, cutoff=0.6)
-        spelled = [f"CELERY_{c.upper()}" if django_style else c for c in close]
-        guess = f" Did you mean {spelled[0]}?" if spelled else ""
-        valid = ", ".join(f"CELERY_{k.upper()}" if django_style else k for k in sorted(known))
+        meant = _meant(name)
+        spelled = _spelled(meant, django_style) if meant else ""
+        guess = f" Did you mean {spelled}?" if spelled else ""
+        valid = ", ".join(_spelled(k, django_style) for k in sorted(conf.DEFAULTS))
         effect = (
             "the tasks it names run unfenced"
-            if close == ["fenced_tasks"]
+            if meant == "fenced_tasks"
             else "the default applies instead"
         )
         errors.append(
@@ -111,6 +140,61 @@ def check_unknown_settings(**kwargs: Any) -> list[checks.CheckMessage]:
             )
         )
     return errors
+
+
+#: how a name that means one of ours may start (after ``CELERY_``): fence, fenced, fencing
+_STEM = re.compile(r"^fenc(?:ed|ing|e)?_?", re.IGNORECASE)
+#: how close (difflib's ratio) a name must be to one of ours to be taken for a typo of it
+_CLOSE = 0.85
+
+
+def _spelled(name: str, django_style: bool) -> str:
+    return f"CELERY_{name.upper()}" if django_style else name
+
+
+def _is_ours(name: str, django_style: bool) -> bool:
+    return any(name == _spelled(known, django_style) for known in conf.DEFAULTS)
+
+
+def _tail(name: str) -> str:
+    lowered = name.lower()
+    return lowered[len("celery_") :] if lowered.startswith("celery_") else lowered
+
+
+def _looks_ours(name: str, django_style: bool) -> bool:
+    """Whether ``name`` was meant as one of our settings: one that starts with a form of
+    "fence" (after ``CELERY_``) or is a near miss of one of ours. A Django setting without
+    ``CELERY_`` (which Celery does not read) counts only when it is one of ours but for
+    the prefix: others are the project's own."""
+    tail = _tail(name)
+    if django_style and not name.startswith("CELERY_"):
+        return _exactly_meant(name) is not None
+    if _STEM.match(tail):
+        return True
+    return bool(difflib.get_close_matches(tail, list(conf.DEFAULTS), n=1, cutoff=_CLOSE))
+
+
+def _exactly_meant(name: str) -> str | None:
+    """Our setting that ``name`` names but for its spelling of "fenced" and a missing
+    ``default_`` (``CELERY_FENCE_TASKS``, ``CELERY_FENCED_TTL``), or None."""
+    tail = _tail(name)
+    if not _STEM.match(tail):
+        return None
+    candidate = "fenced_" + _STEM.sub("", tail, count=1)
+    if candidate in conf.DEFAULTS:
+        return candidate
+    # a task option's name as a setting: CELERY_FENCED_TTL for fenced_default_ttl
+    return next((k for k in conf.DEFAULTS if k.replace("_default_", "_") == candidate), None)
+
+
+def _meant(name: str) -> str | None:
+    """The ``fenced_*`` setting ``name`` most likely means, or None."""
+    exact = _exactly_meant(name)
+    if exact is not None:
+        return exact
+    candidate = "fenced_" + _STEM.sub("", _tail(name), count=1)
+    close = difflib.get_close_matches(candidate, sorted(conf.DEFAULTS), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def check_installed_apps(**kwargs: Any) -> list[checks.CheckMessage]:
@@ -248,26 +332,54 @@ def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
                 id="celery_fenced.W007",
             )
         ]
+    messages: list[checks.CheckMessage] = _unmatched_messages(app)
     try:
         tasks = startup.fenced_tasks(app)
     except FencedConfigurationError as exc:
-        return [checks.Error(str(exc), id="celery_fenced.E001")]
+        return [*messages, checks.Error(str(exc), id="celery_fenced.E001")]
     if not tasks:
-        return []
-    messages: list[checks.CheckMessage] = []
+        return messages
     messages += _result_backend_messages(app, tasks)
     for info in tasks:
         messages += _task_messages(app, info)
     return messages
 
 
+def _unmatched_messages(app: Any) -> list[checks.CheckMessage]:
+    return [
+        checks.Warning(
+            f"fenced_tasks[{pattern!r}] matches no registered task, so it fences nothing. "
+            "(The checks see the tasks of the modules the worker imports at start: the "
+            "apps' tasks.py found by app.autodiscover_tasks(), and the imports and include "
+            "settings.)",
+            hint="Correct the task name or pattern (case counts; patterns never select "
+            "celery.* or celery_fenced.* tasks), or make sure the module defining the task "
+            "is imported at start.",
+            obj=f"fenced_tasks[{pattern!r}]",
+            id="celery_fenced.W009",
+        )
+        for pattern in startup.unmatched_patterns(app)
+    ]
+
+
 def _result_backend_messages(
     app: Any, tasks: list[startup.FencedTaskInfo]
 ) -> list[checks.CheckMessage]:
     backend = startup.result_backend_name(app)
-    if not backend or startup.results_fenced(app):
-        return []
     names = ", ".join(info.name for info in tasks[:5]) + (", …" if len(tasks) > 5 else "")
+    if not backend:
+        return [
+            checks.Warning(
+                f"{len(tasks)} fenced task(s) ({names}), but no result_backend is set: "
+                "their results are not stored at all, and AsyncResult.get() raises "
+                'NotImplementedError ("No result backend is configured").',
+                hint='Set CELERY_RESULT_BACKEND = "fenced-db" (results stored under the '
+                "token check); if nothing ever reads a result, silence celery_fenced.W008.",
+                id="celery_fenced.W008",
+            )
+        ]
+    if startup.results_fenced(app):
+        return []
     return [
         checks.Warning(
             f"{len(tasks)} fenced task(s) ({names}) store their results with result_backend "
@@ -284,6 +396,23 @@ def _result_backend_messages(
 def _task_messages(app: Any, info: startup.FencedTaskInfo) -> list[checks.CheckMessage]:
     messages: list[checks.CheckMessage] = []
     ttl = info.options.ttl
+    own_ttl = None if info.configured else getattr(info.task, "lease_ttl", None)
+    if own_ttl is not None:
+        messages += short_ttl_messages(f"task {info.name!r}: lease_ttl", own_ttl, info.name)
+    if info.configured and info.declared_acks_early:
+        messages.append(
+            checks.Warning(
+                f"task {info.name!r} sets acks_late=False, but fenced_tasks selects it and "
+                "a fenced task runs with acks_late=True: its message is acknowledged after "
+                "the body, so a job whose worker is lost is delivered again (the fencing "
+                "token makes that safe for what the job writes under it).",
+                hint="Remove acks_late=False from the task; or, to keep early "
+                "acknowledgement, leave it out of fenced_tasks (base=FencedTask with "
+                "acks_late=False is allowed, see celery_fenced.W003).",
+                obj=info.name,
+                id="celery_fenced.W010",
+            )
+        )
     if not info.acks_late:
         after = (
             "only the reclaimer sends it again, once the lease has expired"

@@ -78,7 +78,8 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
         for r in records
     ]
     header = ("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES")
-    _write_table(io, header, table, limit, len(records))
+    # keys whole, however long: a key is copied from here into `fenced show` / `release`
+    _write_table(io, header, table, limit, len(records), whole=(0,))
 
 
 def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
@@ -118,7 +119,7 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
         for r in records
     ]
     header = ("TASK ID", "TASK", "KEY", "PUBLISHED", "SENT AGAIN AT", "SENDS", "STATE")
-    _write_table(io, header, table, limit, len(records))
+    _write_table(io, header, table, limit, len(records), whole=(0, 2))
 
 
 def _pending_state(record: dict[str, Any]) -> str:
@@ -145,10 +146,15 @@ def _written_as_json_or_empty(
 
 
 def _write_table(
-    io: IO, header: tuple[str, ...], rows: Iterable[tuple[str, ...]], limit: int, count: int
+    io: IO,
+    header: tuple[str, ...],
+    rows: Iterable[tuple[str, ...]],
+    limit: int,
+    count: int,
+    whole: tuple[int, ...],
 ) -> None:
     """A listing's table, and a word when ``--limit`` cut it short."""
-    for line in _table(header, rows):
+    for line in _table(header, rows, whole=whole):
         io.write(line)
     if limit and count == limit:
         io.write(f"(first {limit}; --limit 0 lists all)")
@@ -379,8 +385,21 @@ def _user() -> str:
         return "unknown"
 
 
-def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]], limit: int = 48) -> list[str]:
-    cut = [tuple(_cut(cell, limit) for cell in row) for row in rows]
+def _table(
+    header: tuple[str, ...],
+    rows: Iterable[tuple[str, ...]],
+    limit: int = 48,
+    whole: tuple[int, ...] = (),
+) -> list[str]:
+    """Aligned columns, each cell cut at ``limit`` characters but those of the columns
+    ``whole`` (the keys and ids someone pastes into another command)."""
+    cut = [
+        tuple(
+            cell.replace("\n", " ") if i in whole else _cut(cell, limit)
+            for i, cell in enumerate(row)
+        )
+        for row in rows
+    ]
     widths = [
         max(len(h), *(len(r[i]) for r in cut)) if cut else len(h) for i, h in enumerate(header)
     ]

@@ -6,6 +6,7 @@ settings when the app is configured with ``namespace="CELERY"``.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 import operator
@@ -480,7 +481,8 @@ def _load(app: Any) -> FencedSettings:
         unknown = set(options) - set(TASK_OPTION_NAMES)
         if unknown:
             raise FencedConfigurationError(
-                f"{where} has unknown option(s) {', '.join(sorted(map(repr, unknown)))}; "
+                f"{where} has unknown option(s) {', '.join(sorted(map(repr, unknown)))}"
+                f"{_did_you_mean(unknown, TASK_OPTION_NAMES)}; "
                 f"allowed: {', '.join(TASK_OPTION_NAMES)}"
             )
         settings.task_options(
@@ -495,6 +497,21 @@ def _load(app: Any) -> FencedSettings:
             limit=options.get("limit"),
         )
     return settings
+
+
+def _did_you_mean(unknown: set[Any], allowed: tuple[str, ...]) -> str:
+    """`` (did you mean 'ttl'?)`` when an unknown name is close to an allowed one."""
+    guesses = {
+        name: close[0]
+        for name in sorted(unknown, key=repr)
+        if isinstance(name, str)
+        and (close := difflib.get_close_matches(name, allowed, n=1, cutoff=0.6))
+    }
+    if not guesses:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {next(iter(guesses.values()))!r}?)"
+    return f" (did you mean {', '.join(f'{g!r} for {n!r}' for n, g in guesses.items())}?)"
 
 
 def _validate_database(alias: object) -> None:

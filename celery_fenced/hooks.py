@@ -70,8 +70,9 @@ def fence_in_every_process() -> None:
     _state.connect_on_app_finalize(_fence_when_finalized)
     for app in list(_state._get_active_apps()):  # type: ignore[attr-defined]
         sending.install(app)
+        # before finalize too: every registration is seen before the task is bound
+        _fence_later_registrations(app)
         if app.finalized:
-            _fence_later_registrations(app)
             _fence_quietly(app)
 
 
@@ -95,7 +96,7 @@ def _fence_quietly(app: Any, tasks: Mapping[str, Any] | None = None) -> None:
     from celery_fenced.exceptions import FencedError
 
     try:
-        fence_configured_tasks(app, warn_unmatched=False, tasks=tasks)
+        fence_configured_tasks(app, tasks=tasks)
     except FencedError as exc:
         logger.debug("fenced_tasks not applied: %s", exc)
 
@@ -108,6 +109,7 @@ class _FencingRegistry(TaskRegistry):
     _fenced_app: Callable[[], Any] = staticmethod(lambda: None)  # made elsewhere: no app
 
     def __setitem__(self, name: str, task: Any) -> None:
+        _note_declared_acks(task)
         # fenced before it is stored: no other thread finds it here unfenced
         try:
             app = self._fenced_app()
@@ -121,6 +123,28 @@ class _FencingRegistry(TaskRegistry):
         return (TaskRegistry, (dict(self),))  # a copy is a plain registry (no app reference)
 
 
+#: Task classes that say ``acks_late=False`` themselves, seen as they were registered.
+_acks_early: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def _note_declared_acks(task: Any) -> None:
+    """Remember whether ``task``'s class sets ``acks_late=False`` itself.
+
+    Only before the task is bound can that be told from the app's ``task_acks_late``
+    (False by default): binding writes the setting's value over an unset attribute.
+    Celery registers a task just before it binds it.
+    """
+    cls = type(task)
+    if getattr(cls, "__bound__", True) is False and getattr(cls, "acks_late", None) is False:
+        _acks_early.add(cls)
+
+
+def declared_acks_early(task: Any) -> bool:
+    """Whether ``task`` said ``acks_late=False`` itself when it was registered (a task
+    fenced by ``fenced_tasks`` runs with ``acks_late=True`` whatever it says)."""
+    return any(cls in _acks_early for cls in type(task).__mro__)
+
+
 def _fence_later_registrations(app: Any) -> None:
     registry = app._tasks
     if type(registry) is not TaskRegistry:
@@ -129,15 +153,14 @@ def _fence_later_registrations(app: Any) -> None:
     cast(_FencingRegistry, registry)._fenced_app = weakref.ref(app)
 
 
-def fence_configured_tasks(
-    app: Any, *, warn_unmatched: bool = True, tasks: Mapping[str, Any] | None = None
-) -> list[str]:
+def fence_configured_tasks(app: Any, *, tasks: Mapping[str, Any] | None = None) -> list[str]:
     """Give every task selected by ``fenced_tasks`` the fenced behaviour (or only those
     of ``tasks``, name to task, about to be registered); return the names of the tasks
     fenced now.
 
     Idempotent. Raises :class:`~celery_fenced.exceptions.FencedConfigurationError` for
-    invalid settings.
+    invalid settings. A ``fenced_tasks`` pattern that selects nothing is the system
+    check ``celery_fenced.W009``'s to report.
     """
     from celery_fenced import conf, keys
     from celery_fenced.execution import FencedExecution
@@ -164,13 +187,6 @@ def fence_configured_tasks(
         checked = task._merged_options(settings)
         if isinstance(checked.key, str):
             keys.check_template(name, checked.key, task.run)
-    unmatched = [
-        p
-        for p in (settings.tasks if warn_unmatched else ())
-        if not any(settings.options_for(n) is not None and _matches(p, n) for n in app.tasks)
-    ]
-    for pattern in unmatched:
-        logger.warning("fenced_tasks: %r matches no registered task", pattern)
     return fenced
 
 
@@ -187,12 +203,6 @@ def validate_fenced_tasks(app: Any) -> bool:
         task.fenced_options()
         fence_request_class(task)
     return bool(fenced)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    import fnmatch
-
-    return fnmatch.fnmatchcase(name, pattern)
 
 
 def fenced_class(cls: type) -> type:

@@ -8,11 +8,12 @@ sees what the worker will see; :func:`summary` is the worker's one start-up line
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from celery_fenced import conf
+from celery_fenced import conf, hooks
 from celery_fenced.exceptions import FencedConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,12 @@ class FencedTaskInfo:
     def acks_late(self) -> bool:
         # a task that fenced_tasks selects gets acks_late=True at worker start
         return True if self.configured else bool(self.task.acks_late)
+
+    @property
+    def declared_acks_early(self) -> bool:
+        """Whether the task itself says ``acks_late=False`` (overridden when fenced by
+        ``fenced_tasks``)."""
+        return hooks.declared_acks_early(self.task)
 
     @property
     def time_limit(self) -> float | None:
@@ -96,18 +103,25 @@ def fenced_tasks(app: Any) -> list[FencedTaskInfo]:
         if isinstance(task, FencedExecution) and task._fenced_config is None:
             found.append(FencedTaskInfo(name, task, task.fenced_options(), configured=False))
         elif configured is not None:
-            options = settings.task_options(
-                f"fenced_tasks option of task {name!r}",
-                ttl=configured.get("ttl"),
-                on_busy=configured.get("on_busy"),
-                renew_interval=configured.get("renew_interval"),
-                key=configured.get("key"),
-                reclaim=configured.get("reclaim"),
-            )
+            options = settings.options_of_entry(name, configured)
             if isinstance(options.key, str):
                 keys.check_template(name, options.key, getattr(task, "run", None))
             found.append(FencedTaskInfo(name, task, options, configured=True))
     return found
+
+
+def unmatched_patterns(app: Any) -> list[str]:
+    """The ``fenced_tasks`` keys that select none of ``app``'s registered tasks."""
+    settings = conf.load(app)
+    names = list(app.tasks)
+    return [
+        pattern
+        for pattern in settings.tasks
+        if not any(
+            settings.options_for(name) is not None and fnmatch.fnmatchcase(name, pattern)
+            for name in names
+        )
+    ]
 
 
 def result_backend_name(app: Any) -> str:

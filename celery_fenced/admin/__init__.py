@@ -9,10 +9,17 @@ button call :func:`celery_fenced.operations.force_release` (that is,
 
 from __future__ import annotations
 
-from celery_fenced.admin.display import badge, short_id, when
-from celery_fenced.admin.events import LeaseEventAdmin
-from celery_fenced.admin.leases import BULK_LIMIT, EVENTS_PER_PAGE, LeaseAdmin
-from celery_fenced.admin.pending import PendingJobAdmin
+from django.apps import apps
+
+# The admin reads the leases through the lease store, which imports django_celery_results'
+# models. Without that app, the import would raise Django's RuntimeError from the admin's
+# autodiscovery, before any system check runs: then nothing is registered, and the check
+# celery_fenced.E004 names the missing app instead.
+if apps.is_installed("django_celery_results"):
+    from celery_fenced.admin.display import badge, short_id, when
+    from celery_fenced.admin.events import LeaseEventAdmin
+    from celery_fenced.admin.leases import BULK_LIMIT, EVENTS_PER_PAGE, LeaseAdmin
+    from celery_fenced.admin.pending import PendingJobAdmin
 
 __all__ = [
     "BULK_LIMIT",

@@ -36,6 +36,13 @@ def refund(self, order_id):
     return order_id
 """
 
+ACKS_EARLY_PLAIN = """
+
+@shared_task(acks_late=False)
+def early(x):
+    return x
+"""
+
 
 @pytest.mark.parametrize(
     ("settings", "tasks", "expected"),
@@ -64,6 +71,69 @@ def refund(self, order_id):
                 "'celery_fenced' in INSTALLED_APPS; missing: 'django_celery_results'"
             ],
             id="E004",
+        ),
+        pytest.param(
+            'CELERY_FENCE_TASKS = {"shop.tasks.plain": {"ttl": 30}}',
+            freshproject.TASKS_PY,
+            [
+                "(celery_fenced.E003) CELERY_FENCE_TASKS is not a celery-fenced setting, so "
+                "it is ignored: the tasks it names run unfenced. Did you mean "
+                "CELERY_FENCED_TASKS?"
+            ],
+            id="E003-prefix",
+        ),
+        pytest.param(
+            "CELERY_FENCED_TTL = 10",
+            freshproject.TASKS_PY,
+            ["(celery_fenced.E003) CELERY_FENCED_TTL", "Did you mean CELERY_FENCED_DEFAULT_TTL?"],
+            id="E003-option-as-setting",
+        ),
+        pytest.param(
+            'CELERY_FENCED_TASKS = {"shop.tasks.plain": {"tll": 6}}',
+            freshproject.TASKS_PY,
+            [
+                "(celery_fenced.E001) fenced_tasks['shop.tasks.plain'] has unknown option(s) "
+                "'tll' (did you mean 'ttl'?)"
+            ],
+            id="E001-option-typo",
+        ),
+        pytest.param(
+            "INSTALLED_APPS = ["
+            '"django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes", '
+            '"django.contrib.sessions", "django.contrib.messages", "celery_fenced", "shop"]',
+            freshproject.TASKS_PY,
+            [
+                "(celery_fenced.E004) celery-fenced needs both 'django_celery_results' and "
+                "'celery_fenced' in INSTALLED_APPS; missing: 'django_celery_results'"
+            ],
+            id="E004-with-the-admin",
+        ),
+        pytest.param(
+            'CELERY_FENCED_TASKS = {"shop.tasks.plain": {"ttl": 0.05}}',
+            freshproject.TASKS_PY,
+            ["(celery_fenced.E008) fenced_tasks['shop.tasks.plain'] ttl is 0.05s, below 1s"],
+            id="E008",
+        ),
+        pytest.param(
+            "del CELERY_RESULT_BACKEND",
+            freshproject.TASKS_PY,
+            ["(celery_fenced.W008) 1 fenced task(s) (shop.tasks.ship), but no result_backend"],
+            id="W008",
+        ),
+        pytest.param(
+            'CELERY_FENCED_TASKS = {"shop.task.plain": {}}',
+            freshproject.TASKS_PY,
+            ["(celery_fenced.W009) fenced_tasks['shop.task.plain'] matches no registered task"],
+            id="W009",
+        ),
+        pytest.param(
+            'CELERY_FENCED_TASKS = {"shop.tasks.*": {}}',
+            freshproject.TASKS_PY + ACKS_EARLY_PLAIN,
+            [
+                "shop.tasks.early: (celery_fenced.W010) task 'shop.tasks.early' sets "
+                "acks_late=False, but fenced_tasks selects it"
+            ],
+            id="W010",
         ),
         pytest.param(
             "",

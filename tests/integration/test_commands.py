@@ -283,3 +283,29 @@ def test_show_and_list__a_keys_permits(alias: str) -> None:
 def alias(alias_with_mariadb: str) -> str:
     """SQLite, PostgreSQL and MariaDB."""
     return alias_with_mariadb
+
+
+def test_list__long_keys_whole_so_they_paste_into_show(alias: str) -> None:
+    key = "export:" + "/".join(f"segment-{n}" for n in range(12))  # 125 characters
+    assert len(key) > 100
+    acquire(key, ttl=300, owner="worker-a", task_name="reports." + "x" * 80, using=alias)
+    (header, line) = fenced("list", "--database", alias).splitlines()
+    assert line.split()[0] == key  # whole, not cut with "…"
+    assert "…" in line  # the long task name is cut, keeping the table readable
+    assert header.index("TOKEN") == line.index(" 1 ") + 1  # the columns stay aligned
+    assert f"key:            {key}" in fenced("show", line.split()[0], "--database", alias)
+
+
+@pytest.mark.parametrize(
+    "args", [("list",), ("list", "--pending"), ("show", "k"), ("release", "k")]
+)
+def test_subcommands__before_migrate_say_what_to_run(tmp_path: Any, args: tuple[str, ...]) -> None:
+    from tests import freshproject
+
+    root = freshproject.make(tmp_path)  # never migrated
+    run = freshproject.run(root, "manage.py", "fenced", *args)
+    assert run.returncode == 1, run.stdout
+    assert run.stdout.strip() == (
+        "CommandError: the table celery_fenced_lease of celery_fenced does not exist in "
+        "database 'default': run `python manage.py migrate celery_fenced --database default`"
+    ), run.stdout

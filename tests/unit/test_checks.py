@@ -34,6 +34,50 @@ def test_check_settings__invalid_setting_is_e001(
     assert fragment in errors[0].msg
 
 
+def test_check_settings__task_option_typo_says_did_you_mean(settings: Any) -> None:
+    settings.CELERY_FENCED_TASKS = {"mod.*": {"tll": 6}}
+    (error,) = check_settings()
+    assert error.id == "celery_fenced.E001"
+    assert (
+        "fenced_tasks['mod.*'] has unknown option(s) 'tll' (did you mean 'ttl'?); allowed: "
+        "ttl, key," in error.msg
+    )
+
+
+def test_check_settings__several_option_typos_each_with_its_guess(settings: Any) -> None:
+    settings.CELERY_FENCED_TASKS = {"mod.*": {"tll": 6, "kye": "k", "zzz": 1}}
+    (error,) = check_settings()
+    assert "(did you mean 'key' for 'kye', 'ttl' for 'tll'?)" in error.msg
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "where", "obj"),
+    [
+        ("CELERY_FENCED_DEFAULT_TTL", 0.5, "fenced_default_ttl is 0.5s", "fenced_default_ttl"),
+        (
+            "CELERY_FENCED_TASKS",
+            {"mod.*": {"ttl": 0.05}},
+            "fenced_tasks['mod.*'] ttl is 0.05s",
+            "fenced_tasks",
+        ),
+    ],
+)
+def test_check_settings__ttl_below_a_second_is_e008(
+    settings: Any, setting: str, value: object, where: str, obj: str
+) -> None:
+    setattr(settings, setting, value)
+    (error,) = check_settings()
+    assert (error.id, error.obj) == ("celery_fenced.E008", obj)
+    assert f"{where}, below 1s: too short to renew" in error.msg
+    assert "SILENCED_SYSTEM_CHECKS" in str(error.hint)
+
+
+def test_check_settings__ttl_of_a_second_passes(settings: Any) -> None:
+    settings.CELERY_FENCED_DEFAULT_TTL = 1
+    settings.CELERY_FENCED_TASKS = {"mod.*": {"ttl": 1.0}}
+    assert check_settings() == []
+
+
 def test_check_settings__use_tz_false_is_e002(settings: Any) -> None:
     settings.USE_TZ = False
     errors = check_settings()
@@ -89,6 +133,39 @@ def test_check_unknown_settings__django_name_with_did_you_mean(
     assert "CELERY_FENCED_DEFAULT_TTL" in str(errors[0].hint)
 
 
+@pytest.mark.parametrize(
+    ("setting", "suggestion", "effect"),
+    [
+        ("CELERY_FENCE_TASKS", "CELERY_FENCED_TASKS", "the tasks it names run unfenced"),
+        ("CELERY_FENCING_TASKS", "CELERY_FENCED_TASKS", "the tasks it names run unfenced"),
+        ("CELERY_FENCEDTASKS", "CELERY_FENCED_TASKS", "the tasks it names run unfenced"),
+        ("FENCED_TASKS", "CELERY_FENCED_TASKS", "the tasks it names run unfenced"),
+        ("CELERY_FENCED_TTL", "CELERY_FENCED_DEFAULT_TTL", "the default applies"),
+        ("CELERY_FENCED_LIMIT", "CELERY_FENCED_DEFAULT_LIMIT", "the default applies"),
+        ("CELERY_FENCE_ON_BUSY", "CELERY_FENCED_ON_BUSY", "the default applies"),
+    ],
+)
+def test_check_unknown_settings__prefix_typo_with_did_you_mean(
+    settings: Any, setting: str, suggestion: str, effect: str
+) -> None:
+    from celery_fenced.checks import check_unknown_settings
+
+    setattr(settings, setting, 5)
+    errors = check_unknown_settings()
+    assert [(e.id, e.obj) for e in errors] == [("celery_fenced.E003", setting)]
+    assert f"{setting} is not a celery-fenced setting" in errors[0].msg
+    assert f"Did you mean {suggestion}?" in errors[0].msg
+    assert effect in errors[0].msg
+
+
+@pytest.mark.parametrize("setting", ["FENCE_HEIGHT", "FENCED_GARDEN", "CELERY_RESULT_EXPIRES"])
+def test_check_unknown_settings__other_settings_pass(settings: Any, setting: str) -> None:
+    from celery_fenced.checks import check_unknown_settings
+
+    setattr(settings, setting, 5)
+    assert check_unknown_settings() == []
+
+
 def test_check_unknown_settings__celery_app_name(settings: Any) -> None:
     from celery_fenced.checks import check_unknown_settings, run
 
@@ -138,12 +215,19 @@ def test_check_tasks__results_not_fenced_is_w002(backend: str) -> None:
     assert "fenced-db" in str(warnings[0].hint)
 
 
-@pytest.mark.parametrize(
-    "backend", ["fenced-db", "celery_fenced.backends:FencedDatabaseBackend", None]
-)
-def test_check_tasks__fenced_or_no_result_backend_passes(backend: str | None) -> None:
+@pytest.mark.parametrize("backend", ["fenced-db", "celery_fenced.backends:FencedDatabaseBackend"])
+def test_check_tasks__fenced_result_backend_passes(backend: str) -> None:
     app = fresh_app(result_backend=backend)
-    assert [m.id for m in task_messages(app) if m.id == "celery_fenced.W002"] == []
+    assert task_messages(app) == []
+
+
+def test_check_tasks__no_result_backend_is_w008() -> None:
+    app = fresh_app(result_backend=None)
+    (warning,) = task_messages(app)
+    assert warning.id == "celery_fenced.W008"
+    assert "1 fenced task(s) (mod.build), but no result_backend is set" in warning.msg
+    assert "AsyncResult.get() raises NotImplementedError" in warning.msg
+    assert 'CELERY_RESULT_BACKEND = "fenced-db"' in str(warning.hint)
 
 
 def test_check_tasks__acks_late_false_is_w003() -> None:
@@ -221,3 +305,48 @@ def test_check_tasks__configured_key_template_naming_no_argument_is_e001() -> No
     errors = [m for m in task_messages(app) if m.id == "celery_fenced.E001"]
     assert len(errors) == 1
     assert "'mod.add': lease_key 'add:{z}' names z" in errors[0].msg
+
+
+def test_check_tasks__lease_ttl_below_a_second_is_e008() -> None:
+    app = fresh_app()
+    app.task(name="mod.quick", base=FencedTask, lease_ttl=0.05, shared=False)(noop)
+    (error,) = task_messages(app, "mod.quick")
+    assert error.id == "celery_fenced.E008"
+    assert "task 'mod.quick': lease_ttl is 0.05s, below 1s" in error.msg
+    assert "renewed every ttl / 3 (17 ms" in error.msg
+
+
+@pytest.mark.parametrize(
+    ("patterns", "unmatched"),
+    [
+        ({"mod.nosuch": {}, "mod.*": {}}, ["mod.nosuch"]),
+        ({"Mod.*": {}}, ["Mod.*"]),  # case counts
+        ({"celery.*": {}}, ["celery.*"]),  # patterns never select Celery's own
+        ({"*": {}, "other.sub": {}}, []),
+    ],
+)
+def test_check_tasks__pattern_matching_no_task_is_w009(
+    patterns: dict[str, Any], unmatched: list[str]
+) -> None:
+    app = fresh_app(fenced_tasks=patterns)
+    warnings = [m for m in task_messages(app) if m.id == "celery_fenced.W009"]
+    assert [w.obj for w in warnings] == [f"fenced_tasks[{p!r}]" for p in unmatched]
+    for warning, pattern in zip(warnings, unmatched, strict=True):
+        assert f"fenced_tasks[{pattern!r}] matches no registered task" in warning.msg
+        assert "autodiscover_tasks()" in warning.msg
+
+
+def test_check_tasks__configured_task_with_acks_late_false_is_w010() -> None:
+    app = fresh_app(fenced_tasks={"mod.*": {}})
+    app.task(name="mod.early", acks_late=False, shared=False)(noop)
+    (warning,) = task_messages(app, "mod.early")
+    assert warning.id == "celery_fenced.W010"
+    assert "sets acks_late=False, but fenced_tasks selects it" in warning.msg
+    assert task_messages(app, "mod.add") == []  # acks_late not set: no word
+
+
+def test_check_tasks__configured_task_of_an_acks_late_false_app_passes() -> None:
+    """``task_acks_late=False`` for the whole app is not the task's own choice."""
+    app = fresh_app(fenced_tasks={"mod.*": {}}, task_acks_late=False)
+    app.task(name="mod.plain", shared=False)(noop)
+    assert task_messages(app, "mod.plain") == []

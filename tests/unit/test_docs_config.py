@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,9 +132,39 @@ def test_docs_config__every_task_option_is_documented() -> None:
         assert set(fallback) <= set(conf.DEFAULTS), f"unknown setting in {row['default']!r}"
 
 
+#: misspellings the docs show as examples of what check E003 reports
+MISSPELT = {"CELERY_FENCED_TTL"}
+
+
 def test_docs_config__django_names_are_real_settings() -> None:
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
     django_names = {f"CELERY_{name.upper()}" for name in conf.DEFAULTS}
     for page in pages:
         for name in re.findall(r"\bCELERY_FENCED_[A-Z_]*[A-Z]", page.read_text()):
-            assert name in django_names, f"{page.name} names unknown setting {name}"
+            assert name in django_names | MISSPELT, f"{page.name} names unknown setting {name}"
+
+
+@pytest.mark.parametrize("name", sorted(MISSPELT))
+def test_docs_config__documented_misspellings_are_reported(settings: Any, name: str) -> None:
+    from celery_fenced.checks import check_unknown_settings
+
+    setattr(settings, name, 1)
+    assert [e.obj for e in check_unknown_settings()] == [name]
+
+
+CHECK_ID = re.compile(r"""id="celery_fenced\.([EW]\d{3})\"""")
+
+
+def test_check_table__every_check_id_documented_once() -> None:
+    """The ids the package's checks use, the table under "Checks at start" and the table in
+    :mod:`celery_fenced.checks`' docstring: the same ids."""
+    from celery_fenced import checks
+
+    package = ROOT / "celery_fenced"
+    used = {m for path in package.glob("*.py") for m in CHECK_ID.findall(path.read_text())}
+    documented = [
+        code(row["id"]).removeprefix("celery_fenced.") for row in table("Checks at start")
+    ]
+    listed = re.findall(r"^\| ([EW]\d{3}) \|", checks.__doc__ or "", re.MULTILINE)
+    assert sorted(documented) == sorted(set(documented)) == sorted(used)
+    assert sorted(listed) == sorted(used)

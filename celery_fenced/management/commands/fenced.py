@@ -11,7 +11,8 @@ from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_fenced import commands
+from celery_fenced import commands, store, tables
+from celery_fenced.exceptions import FencedConfigurationError
 
 DATABASE_HELP = "Database alias of the lease table (default: fenced_database, or the router's)."
 JSON_HELP = "Print JSON instead of a table."
@@ -110,6 +111,8 @@ class Command(BaseCommand):
         tty = cast(TextIO, self.stderr._out) if self.stderr.isatty() else None
         io = commands.IO(write=self.stdout.write, error=self.stderr.write, progress=tty)
         try:
-            run(io, options)
-        except commands.CommandFailed as exc:
+            # before `migrate`: "run migrate", not the driver's error about a table
+            with tables.tables_required(store.database_alias(options.get("database"))):
+                run(io, options)
+        except (commands.CommandFailed, FencedConfigurationError) as exc:
             raise CommandError(str(exc)) from None
