@@ -19,6 +19,9 @@ from django.db import connections
 
 from devtools.workers import BROKER_URLS
 
+#: pytester: the tests of the testing helpers' plugin run pytest in a subprocess
+pytest_plugins = ["pytester"]
+
 DATABASE_ALIASES = ["default", "postgres"]
 #: MariaDB (the MySQL family): a module opts in with ``databases=WITH_MARIADB`` and an
 #: ``alias`` fixture returning ``alias_with_mariadb`` (its tests then run on all three)

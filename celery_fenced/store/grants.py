@@ -9,6 +9,7 @@ from typing import Any
 
 from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F
 
 from celery_fenced import conf, signals
 from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
@@ -201,6 +202,32 @@ def force_release(key: str, *, by: str | None = None, using: str | None = None) 
         signals.lease_released, Lease, key=key, token=token, owner=owner, task_id="", forced=True
     )
     return token
+
+
+def expire(key: str, *, using: str | None = None) -> int | None:
+    """End the current grant on ``key`` by expiry, as when its holder stops renewing.
+
+    Its expiry becomes its grant time, which the database's clock has passed: the next
+    grant takes the key over (a ``reclaimed`` event), the holder's next renewal, guard or
+    check fails, and a result written under it is refused once another grant holds the key.
+    Returns the token that expired, or None when nothing was held. For tests
+    (:mod:`celery_fenced.testing`); an operator ends a grant with :func:`force_release`.
+    """
+    key = validate_lease_key(key)
+    alias = database_alias(using)
+    unreleased = Lease._default_manager.using(alias).filter(key=key, released_at__isnull=True)
+    with transaction.atomic(using=alias):
+        token = unreleased.select_for_update().values_list("token", flat=True).first()
+        if token is None:
+            return None
+        unreleased.filter(token=token).update(expires_at=F("acquired_at"))
+    logger.info(
+        "lease %r expired under token %s",
+        key,
+        token,
+        extra={"lease_key": key, "fencing_token": token},
+    )
+    return int(token)
 
 
 def process_holds(task_id: str, process: str, *, using: str | None = None) -> bool:
