@@ -198,9 +198,12 @@ class PendingJob(models.Model):
         help_text="until_done: the token of its grant (running while that grant is held).",
     )
     plain = models.BooleanField(
+        "follow-up task",
         default=False,
-        help_text="A plain task sent on by a fenced execution's outcome: no grant ends it; "
-        "its sending does.",
+        help_text="Not a job of its own but a task a fenced task's outcome sends on (a "
+        "callback, errback, chain step or chord body). It takes no lease: this row ends "
+        "when a worker starts it (when it is sent, for a fenced task), not at a grant; "
+        "until then the reclaimer sends it again if it is lost.",
     )
     nesting = models.PositiveIntegerField(
         default=0,

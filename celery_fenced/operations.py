@@ -13,7 +13,7 @@ A lease's state is never decided with this process's clock: every comparison of
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +21,7 @@ from django.db.models import Case, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 
 from celery_fenced import conf, store
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
 
 HELD = "held"
 EXPIRED = "expired"
@@ -142,6 +142,16 @@ def events(lease: Lease) -> QuerySet[LeaseEvent]:
         .filter(lease_id=lease.pk)
         .order_by("-at", "-id")
     )
+
+
+def pending_jobs(task_ids: Iterable[str], *, using: str | None = None) -> dict[str, str]:
+    """The recorded jobs (JSON) the outbox holds for ``task_ids``, by task id: a job
+    waiting to be sent again, or a ``lease_unique`` job kept while it runs."""
+    ids = sorted(set(task_ids))
+    if not ids:
+        return {}
+    rows = PendingJob._default_manager.using(database_alias(using)).filter(task_id__in=ids)
+    return dict(rows.values_list("task_id", "job"))
 
 
 def force_release(key: str, *, by: str, using: str | None = None) -> int | None:

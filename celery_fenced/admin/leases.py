@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
@@ -10,6 +11,7 @@ from django.apps import apps
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.utils import quote, unquote
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
@@ -17,15 +19,20 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString, mark_safe
+from django.utils.safestring import SafeString
 
 from celery_fenced import kinds, operations, paging, permits, timeline
+from celery_fenced.admin import jobs
 from celery_fenced.admin.display import (
     CHANGE_LIST,
     STATE_COLOURS,
     badge,
+    compact_when,
     detail_json,
+    key_head,
     short_id,
+    short_key,
+    short_owner,
     task_id_head,
     when,
 )
@@ -51,14 +58,27 @@ BULK_LIMIT = 1000  # leases force-released by one action
 
 #: the lease page's field groups: (title, fields)
 FIELD_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = (
-    (None, ("key_column", "state_badge", "token", "owner", "reclaimed_from", "permit_list")),
-    ("Task", ("task_name", "task_link")),
+    (None, ("lease_key", "state_badge", "token", "owner", "reclaimed_from", "permit_list")),
+    ("Task", ("task_name", "task_link", "job_call")),
     (
         "Times (UTC, the database's clock)",
         ("acquired", "last_renewed", "expires", "expires_in", "released", "release_state"),
     ),
-    ("Reclaim", ("reclaim_state", "reclaim_attempts", "reclaim_claimed", "job")),
+    ("Reclaim", ("reclaim_state", "reclaim_attempts", "reclaim_claimed", "reclaim_job")),
 )
+
+#: the spaces inside a duration (``9m 59s``)
+DURATION_SPACE = re.compile(r"(?<=[0-9][a-z]) (?=[0-9])")
+#: the characters of a job's call a list column shows (the whole call in its tooltip)
+CALL_SHOWN = 36
+
+
+class LeaseChangeList(ChangeList):
+    """The lease list, each row's job looked up for the whole page at once."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        jobs.attach(list(self.result_list))
 
 
 @admin.register(Lease)
@@ -67,12 +87,11 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         "key_column",
         "token",
         "state_badge",
-        "owner",
-        "task_name_column",
+        "owner_column",
+        "job_column",
         "task_link",
         "expires_in",
-        "last_renewed",
-        "acquired",
+        "acquired_column",
     )
     list_filter = (StateFilter, TaskNameFilter)
     search_fields = ("key", "owner", "=task_id")
@@ -80,7 +99,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     date_hierarchy = "acquired_at"
     ordering = ("-acquired_at",)
     # only the columns an index can sort
-    sortable_by = ("key_column", "task_name_column", "expires_in", "acquired")
+    sortable_by = ("key_column", "job_column", "expires_in", "acquired_column")
     actions = ("force_release_selected",)
     change_form_template = "admin/celery_fenced/lease/change_form.html"
     change_list_template = CHANGE_LIST
@@ -93,13 +112,64 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         ordering = self.get_ordering(request)
         return operations.with_state(leases.order_by(*ordering) if ordering else leases)
 
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return LeaseChangeList
+
     # -- columns -----------------------------------------------------------------------
-    @admin.display(description="key", ordering="key")
-    def key_column(self, lease: Lease) -> str:
+    @admin.display(description="key")
+    def lease_key(self, lease: Lease) -> str:
         """The key; a permit's as ``key (permit 2)``, a key's own row with its permits."""
         if lease.permits:
             return f"{lease.key} ({lease.permits} permits)"
         return permits.describe(lease.key)
+
+    @admin.display(description="key", ordering="key")
+    def key_column(self, lease: Lease) -> SafeString | str:
+        """:meth:`lease_key` with the key shortened (a default key is 60 characters), the
+        whole key in the tooltip."""
+        key, index = permits.split(lease.key)
+        whole = self.lease_key(lease)
+        if lease.permits:
+            return short_key(whole, f"{key_head(lease.key)} ({lease.permits} permits)")
+        if index is not None:
+            return short_key(whole, f"{key_head(key)} (permit {index})")
+        return short_key(whole)
+
+    @admin.display(description="owner", ordering="owner")
+    def owner_column(self, lease: Lease) -> SafeString | str:
+        return short_owner(lease.owner)
+
+    @admin.display(description="job", ordering="task_name")
+    def job_column(self, lease: Lease) -> SafeString | str:
+        """The task and its arguments (``send(2024, 7)``), the whole call in the tooltip;
+        the task name alone when its arguments are not kept."""
+        summary = jobs.of(lease)
+        if summary is not None:
+            return format_html(
+                '<span title="{} ({})">{}</span>',
+                summary.call,
+                summary.source,
+                summary.short_call(CALL_SHOWN),
+            )
+        if not lease.task_name:
+            return "—"
+        return format_html(
+            '<span title="{} (arguments not kept)">{}</span>',
+            lease.task_name,
+            jobs.cut(lease.task_name.rsplit(".", 1)[-1], CALL_SHOWN),
+        )
+
+    @admin.display(description="job")
+    def job_call(self, lease: Lease) -> str:
+        """The task and its arguments, and where they were found."""
+        summary = jobs.of(lease)
+        if summary is not None:
+            return f"{summary.call} ({summary.source})"
+        return jobs.NOT_KEPT if lease.task_id else "—"
+
+    @admin.display(description="job to re-send (JSON)")
+    def reclaim_job(self, lease: Lease) -> str:
+        return lease.job or "—"
 
     @admin.display(description="permits")
     def permit_list(self, lease: Lease) -> SafeString | str:
@@ -131,12 +201,25 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         return badge(state, STATE_COLOURS.get(state, "#999"))
 
     @admin.display(description="expires in", ordering="expires_at")
-    def expires_in(self, lease: Lease) -> str:
-        return operations.describe_expiry(operations.expires_in(lease))
+    def expires_in(self, lease: Lease) -> SafeString:
+        """When the grant expires by the database's clock; when it was last renewed (each
+        renewal moves the expiry on) in the tooltip."""
+        seconds = operations.expires_in(lease)
+        return format_html(
+            '<span title="expires at {}, last renewed at {} (UTC)">{}</span>',
+            when(lease.expires_at),
+            when(lease.renewed_at),
+            # a duration never wraps inside: ``in 9m 59s`` wraps after ``in`` only
+            DURATION_SPACE.sub("\N{NO-BREAK SPACE}", operations.describe_expiry(seconds)),
+        )
 
     @admin.display(description="acquired at", ordering="acquired_at")
     def acquired(self, lease: Lease) -> str:
         return when(lease.acquired_at)
+
+    @admin.display(description="acquired (UTC)", ordering="acquired_at")
+    def acquired_column(self, lease: Lease) -> SafeString | str:
+        return compact_when(lease.acquired_at, getattr(lease, "db_now"))  # noqa: B009
 
     @admin.display(description="last renewed")
     def last_renewed(self, lease: Lease) -> str:
@@ -154,12 +237,6 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     def reclaim_claimed(self, lease: Lease) -> str:
         """When the reclaimer last claimed this lease (the same format as the times)."""
         return when(lease.reclaim_claimed_at)
-
-    @admin.display(description="task name", ordering="task_name")
-    def task_name_column(self, lease: Lease) -> SafeString:
-        """The task name, allowed to wrap after each dot (a narrow column)."""
-        parts = lease.task_name.split(".")
-        return format_html_join(mark_safe(".<wbr>"), "{}", ((part,) for part in parts))
 
     @admin.display(description="task id")
     def task_link(self, lease: Lease) -> str:

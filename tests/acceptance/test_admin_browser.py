@@ -8,6 +8,7 @@ screenshots that docs/admin.md shows.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 
-from celery_fenced import LeaseLost, acquire
+from celery_fenced import LeaseLost, acquire, reclaim
+from celery_fenced.models import Lease
 from celery_fenced.store import HeldLease
 from tests.integration.test_admin import NASTY_KEY, expire, spread, takeover_history
 
@@ -34,6 +36,7 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 DOCS_STATIC = Path(__file__).resolve().parents[2] / "docs" / "_static"
+DEFAULT_KEY = "billing.tasks.charge:5f0c3e9a1b7d4c2e8f6a0b1c2d3e4f50"
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def browser() -> Iterator[Any]:
 def page(browser: Any, live_server: Any) -> Iterator[Any]:
     """A page logged in to the admin as a superuser (through the login form)."""
     User.objects.create_superuser("ops", "ops@example.invalid", "pw")
-    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    context = browser.new_context(viewport={"width": 1366, "height": 768})  # a laptop's
     tab = context.new_page()
     tab.set_default_timeout(15_000)
     tab.goto(f"{live_server.url}/admin/login/")
@@ -73,7 +76,8 @@ def page(browser: Any, live_server: Any) -> Iterator[Any]:
     tab.fill("#id_password", "pw")
     tab.click("input[type=submit]")
     tab.wait_for_selector("#site-name")
-    tab.evaluate("localStorage.setItem('django.admin.navSidebarIsOpen', 'false')")
+    # Django's navigation sidebar open, as it is by default
+    tab.evaluate("localStorage.setItem('django.admin.navSidebarIsOpen', 'true')")
     tab.base = live_server.url
     yield tab
     context.close()
@@ -110,6 +114,17 @@ def some_leases() -> dict[str, HeldLease]:
         using="default",
     )
     expire("default", "export:daily")
+    # a default key (the task's name and a hash of its arguments), its job recorded
+    acquire(
+        DEFAULT_KEY,
+        ttl=900,
+        owner="celery@billing-2:9f3c2a71:4133:1",
+        task_id="3e1f0c9a-5b7d-4e2f-8a6c-1d0b9e8f7a65",
+        task_name="billing.tasks.charge",
+        using="default",
+    )
+    job = reclaim.Job("billing.tasks.charge", [1207], {"customer": "ACME-0042", "retry": False})
+    Lease.objects.filter(key=DEFAULT_KEY).update(job=reclaim.encode_job(job))
     acquire(
         "thumbnail:991",
         ttl=30,
@@ -121,27 +136,42 @@ def some_leases() -> dict[str, HeldLease]:
     return held
 
 
-def fits_the_width(page: Any) -> bool:
-    """No horizontal scroll: the page and the results table fit the viewport."""
-    return bool(
-        page.evaluate(
-            "() => document.documentElement.scrollWidth <= window.innerWidth"
-            " && [...document.querySelectorAll('#changelist .results')]"
-            ".every(e => e.scrollWidth <= e.clientWidth)"
-        )
-    )
+#: the column headers of the results table cut off: right of the viewport, or of the
+#: table's box (which scrolls what overflows it), and whether the page or the box scrolls
+CUT_HEADERS = """() => {
+    const box = document.querySelector('#changelist .results');
+    const right = Math.min(window.innerWidth, box.getBoundingClientRect().right);
+    const cut = [...document.querySelectorAll('#result_list thead th')]
+        .filter(th => th.getBoundingClientRect().right > right + 0.5)
+        .map(th => th.innerText.trim() || th.className);
+    if (document.documentElement.scrollWidth > window.innerWidth) cut.push('page scrolls');
+    if (box.scrollWidth > box.clientWidth) cut.push('results scroll');
+    return cut;
+}"""
+
+
+def cut_headers(page: Any) -> list[str]:
+    """The headers of the changelist's columns not wholly visible (none: it fits)."""
+    page.wait_for_selector("#result_list thead th")
+    cut: list[str] = page.evaluate(CUT_HEADERS)
+    return cut
+
+
+def sidebar_is_open(page: Any) -> bool:
+    return bool(page.locator("#nav-sidebar").is_visible())
 
 
 def row(page: Any, key: str) -> Any:
-    return page.locator(
-        "#result_list tbody tr", has=page.locator("th.field-key_column", has_text=key)
-    )
+    """The changelist row of ``key`` (a long key is shown shortened, whole in its title)."""
+    shown = page.locator("th.field-key_column", has_text=key)
+    shortened = page.locator(f"th.field-key_column [title={json.dumps(key)}]")
+    return page.locator("#result_list tbody tr", has=shown.or_(shortened))
 
 
 def test_browser__changelist_and_state_filter(page: Any) -> None:
     some_leases()
     page.goto(f"{page.base}/admin/celery_fenced/lease/")
-    assert page.locator("#result_list tbody tr").count() == 5
+    assert page.locator("#result_list tbody tr").count() == 6
     assert row(page, "report:42").locator(".fenced-badge").inner_text() == "held"
     assert row(page, "export:daily").locator(".fenced-badge").inner_text() == "expired"
     assert row(page, "thumbnail:991").locator(".fenced-badge").inner_text() == "released"
@@ -151,9 +181,17 @@ def test_browser__changelist_and_state_filter(page: Any) -> None:
         in (link.get_attribute("href") or "")
     )
     assert link.inner_text() == "8c0e7a52…"
+    # a default key, shortened; its job (task and arguments) tells which record it is about
+    default = row(page, DEFAULT_KEY)
+    assert default.locator("th.field-key_column").inner_text() == "charge:5f0c3e9a…"
+    job = default.locator("td.field-job_column span")
+    assert job.inner_text() == "charge(1207, customer='ACME-0042', retry=False)"[:35] + "…"
+    assert job.get_attribute("title") == (
+        "billing.tasks.charge(1207, customer='ACME-0042', retry=False) (recorded with the grant)"
+    )
+    assert default.locator("td.field-owner_column").inner_text() == "billing-2:4133"
+    assert sidebar_is_open(page)
     DOCS_STATIC.mkdir(parents=True, exist_ok=True)
-    page.set_viewport_size({"width": 1366, "height": 640})  # a common laptop screen
-    assert fits_the_width(page)  # every column, expiry and renewal too, without scrolling
     page.screenshot(path=str(DOCS_STATIC / "admin-changelist.png"), full_page=True)
 
     page.locator("#changelist-filter a", has_text="expired").click()
@@ -163,7 +201,7 @@ def test_browser__changelist_and_state_filter(page: Any) -> None:
     page.locator("#changelist-filter a", has_text="held").first.click()
     page.wait_for_url("**/?state=held")
     badges = page.locator("#result_list .fenced-badge").all_inner_texts()
-    assert badges == ["held", "held", "held"]
+    assert badges == ["held", "held", "held", "held"]
 
 
 def test_browser__lease_page_history_and_timeline(page: Any) -> None:
@@ -188,12 +226,20 @@ def test_browser__lease_page_history_and_timeline(page: Any) -> None:
     page.screenshot(path=str(DOCS_STATIC / "admin-lease.png"), full_page=True)
 
 
-def test_browser__event_list_shows_every_column_at_1366_px(page: Any) -> None:
+@pytest.mark.parametrize("model", ["lease", "leaseevent"])
+def test_browser__every_column_fits_1366_px_with_the_sidebar_open(page: Any, model: str) -> None:
     some_leases()
-    page.set_viewport_size({"width": 1366, "height": 700})
+    page.goto(f"{page.base}/admin/celery_fenced/{model}/")
+    assert page.viewport_size == {"width": 1366, "height": 768}
+    assert sidebar_is_open(page)
+    assert page.locator("#result_list tbody tr").count() >= 4
+    assert cut_headers(page) == []
+
+
+def test_browser__event_list_wraps_the_detail(page: Any) -> None:
+    some_leases()
     page.goto(f"{page.base}/admin/celery_fenced/leaseevent/")
     assert page.locator("#result_list tbody tr").count() >= 4  # the anomalies
-    assert fits_the_width(page)
     detail = page.locator("#result_list td.field-detail", has_text="previous_owner").first
     box, table = detail.bounding_box(), page.locator("#result_list").bounding_box()
     assert box is not None
@@ -237,9 +283,10 @@ def test_browser__a_key_with_markup_runs_no_script(page: Any) -> None:
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.goto(f"{page.base}/admin/celery_fenced/lease/")
     assert row(page, NASTY_KEY).count() == 1
+    assert row(page, NASTY_KEY).locator("th.field-key_column").inner_text() == NASTY_KEY[:23] + "…"
     row(page, NASTY_KEY).locator("th.field-key_column a").click()
     page.wait_for_selector("svg.fenced-timeline")
-    assert page.locator(".field-key_column .readonly").inner_text() == NASTY_KEY
+    assert page.locator(".field-lease_key .readonly").inner_text() == NASTY_KEY
     assert NASTY_KEY in page.locator("svg.fenced-timeline title").first.text_content()
     page.goto(f"{page.base}/admin/celery_fenced/leaseevent/")
     assert dialogs == []

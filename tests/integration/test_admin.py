@@ -4,8 +4,10 @@ read-only pages, force release, states by the database's clock, escaping, pagina
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from collections.abc import Callable
+from html import unescape
 from typing import Any
 
 import pytest
@@ -15,8 +17,17 @@ from django.db.models import F
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from celery_fenced import LeaseLost, StaleToken, acquire, force_release, operations, paging
-from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced import (
+    LeaseLost,
+    StaleToken,
+    acquire,
+    force_release,
+    operations,
+    paging,
+    reclaim,
+)
+from celery_fenced.admin import when
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.store import HeldLease
 from tests.conftest import WITH_MARIADB
 
@@ -24,6 +35,7 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
 CHANGELIST = "/admin/celery_fenced/lease/"
 EVENTS = "/admin/celery_fenced/leaseevent/"
+PENDING = "/admin/celery_fenced/pendingjob/"
 NASTY_KEY = '<script>alert("k")</script>&co'
 
 
@@ -104,7 +116,7 @@ def login(client: Client) -> Callable[..., Client]:
     return log_in
 
 
-VIEWER = ("view_lease", "view_leaseevent")
+VIEWER = ("view_lease", "view_leaseevent", "view_pendingjob")
 OPERATOR = (*VIEWER, "force_release_lease")
 
 
@@ -113,9 +125,16 @@ def timeline_svg(html: str) -> str:
     return html[start : html.index("</svg>", start)]
 
 
+KEY_CELL = re.compile(
+    r'<th class="field-key_column"><a href="[^"]*">'
+    r'(?:<span title="(?P<whole>[^"]*)">[^<]*</span>|(?P<shown>[^<]*))</a>'
+)
+
+
 def rows(html: str) -> list[str]:
-    """The lease keys of a changelist page, in order."""
-    return re.findall(r'<th class="field-key_column"><a href="[^"]*">([^<]*)</a>', html)
+    """The lease keys of a changelist page, in order (a shortened key's whole key is in
+    its title)."""
+    return [unescape(m["whole"] or m["shown"]) for m in KEY_CELL.finditer(html)]
 
 
 # -- permissions -----------------------------------------------------------------------
@@ -532,6 +551,127 @@ def test_admin__a_keys_permits_are_shown_with_their_holders(
     page = client.get(lease_url(lease_db, "tiles")).content.decode()
     assert f"permit 0: held, token {first.token}, worker-a" in page
     assert "permit 1: released" in page
+
+
+# -- what a lease was about: its job ---------------------------------------------------
+CHARGE = reclaim.Job("billing.tasks.charge", [1207], {"customer": "ACME-0042"})
+CHARGE_CALL = "billing.tasks.charge(1207, customer='ACME-0042')"
+
+
+def job_cells(html: str) -> dict[str, tuple[str, str]]:
+    """The job column of a lease changelist: (tooltip, text) by lease key."""
+    keys = rows(html)
+    cells = re.findall(r'<td class="field-job_column">(.*?)</td>', html, re.S)
+    assert len(cells) == len(keys)
+    found = {}
+    for key, cell in zip(keys, cells, strict=True):
+        match = re.fullmatch(r'<span title="([^"]*)">([^<]*)</span>', cell)
+        found[key] = (unescape(match[1]), unescape(match[2])) if match else ("", cell)
+    return found
+
+
+def job_field(html: str) -> str:
+    match = re.search(r'Job:</label>\s*<div class="readonly">([^<]*)</div>', html)
+    assert match is not None
+    return unescape(match[1])
+
+
+def charge(alias: str, key: str, task_id: str) -> HeldLease:
+    """A grant of the charge task under ``key``, its job recorded (as at a worker's grant)."""
+    held = acquire(key, ttl=30, task_id=task_id, task_name=CHARGE.task, using=alias)
+    Lease.objects.using(alias).filter(key=key).update(job=reclaim.encode_job(CHARGE))
+    return held
+
+
+def test_admin__a_leases_job_is_shown_while_held_and_after_it_finished(
+    lease_db: str, login: Callable[..., Client]
+) -> None:
+    from django_celery_results.models import TaskResult
+
+    key = "billing.tasks.charge:5f0c3e9a1b7d4c2e8f6a0b1c2d3e4f50"  # a default key
+    held = charge(lease_db, key, "tid-held")
+    for finished in ("tid-result", "tid-outbox", "tid-lost"):
+        charge(lease_db, f"k-{finished}", finished).release()  # the row's job ends
+    acquire("no-task", ttl=30, using=lease_db)
+    # what django-celery-results keeps with result_extended: JSON of Celery's reprs
+    TaskResult.objects.create(
+        task_id="tid-result",
+        task_name=CHARGE.task,
+        status="SUCCESS",
+        task_args=json.dumps("(1207,)"),
+        task_kwargs=json.dumps("{'customer': 'ACME-0042'}"),
+    )
+    now = operations.database_now(lease_db)
+    PendingJob.objects.using(lease_db).create(  # sent again: the outbox holds it
+        task_id="tid-outbox",
+        task_name=CHARGE.task,
+        job=reclaim.encode_job(CHARGE),
+        published_at=now,
+        resend_at=now,
+    )
+    client = login(*VIEWER)
+    with CaptureQueriesContext(connections[lease_db]) as queries:
+        html = client.get(CHANGELIST).content.decode()
+    outbox_reads = [q for q in queries.captured_queries if "pendingjob" in q["sql"]]
+    assert len(outbox_reads) == 1  # one read for the page, not one per row
+    assert job_cells(html) == {
+        key: (f"{CHARGE_CALL} (recorded with the grant)", "charge(1207, customer='ACME-0042')"),
+        "k-tid-result": (
+            f"{CHARGE_CALL} (from its task result)",
+            "charge(1207, customer='ACME-0042')",
+        ),
+        "k-tid-outbox": (
+            f"{CHARGE_CALL} (pending in the outbox)",
+            "charge(1207, customer='ACME-0042')",
+        ),
+        "k-tid-lost": (f"{CHARGE.task} (arguments not kept)", "charge"),
+        "no-task": ("", "—"),
+    }
+    assert job_field(client.get(lease_url(lease_db, key)).content.decode()) == (
+        f"{CHARGE_CALL} (recorded with the grant)"
+    )
+    held.release()  # finished: the row's job is gone, its task result keeps the arguments
+    assert job_field(client.get(lease_url(lease_db, key)).content.decode()).startswith("not kept")
+    TaskResult.objects.filter(task_id="tid-result").update(task_id="tid-held")
+    assert job_field(client.get(lease_url(lease_db, key)).content.decode()) == (
+        f"{CHARGE_CALL} (from its task result)"
+    )
+
+
+# -- pending jobs ----------------------------------------------------------------------
+def test_admin__pending_jobs_show_times_as_the_lease_pages_do(
+    lease_db: str, login: Callable[..., Client], settings: Any
+) -> None:
+    """In UTC and the lease pages' format, whatever Django's TIME_ZONE."""
+    settings.TIME_ZONE = "America/New_York"
+    now = operations.database_now(lease_db)
+    pending = PendingJob.objects.using(lease_db).create(
+        task_id="tid-1",
+        task_name=CHARGE.task,
+        key="k",
+        job=reclaim.encode_job(CHARGE),
+        published_at=now - dt.timedelta(minutes=3),
+        eta=now + dt.timedelta(days=400),
+        resend_at=now + dt.timedelta(minutes=2),
+        plain=True,
+    )
+    client = login(*VIEWER)
+    listed = client.get(PENDING).content.decode()
+    for at in (pending.published_at, pending.resend_at, pending.eta):
+        assert f'<span title="{when(at)}">' in listed
+    published = pending.published_at.astimezone(dt.timezone.utc)
+    assert f">{published:%H:%M:%S}</span>" in listed  # today (the database's clock): the time
+    assert f">{pending.eta.astimezone(dt.timezone.utc):%Y-%m-%d}</span>" in listed
+    assert f'title="{CHARGE_CALL}"'.replace("'", "&#x27;") in listed
+    page = client.get(f"{PENDING}{pending.pk}/change/").content.decode()
+    for label, at in (("Published at", pending.published_at), ("Eta", pending.eta)):
+        assert re.search(rf'{label}:</label>\s*<div class="readonly">{when(at)}</div>', page)
+    assert "Times (UTC, the database&#x27;s clock)" in page
+    assert unescape(CHARGE_CALL) in unescape(page)
+    # the plain flag, in words an operator uses
+    assert "Follow-up task:</label>" in page
+    assert "callback, errback, chain step or chord body" in unescape(page)
+    assert "follow-up task" in listed.lower()
 
 
 @pytest.fixture
