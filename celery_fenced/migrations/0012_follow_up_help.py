@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("celery_fenced", "0010_mysql_result_ids"),
+        ("celery_fenced", "0011_pending_nesting"),
     ]
 
     operations = [
