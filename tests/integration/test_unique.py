@@ -439,3 +439,30 @@ def test_until_done_no_longer_configured__the_grant_ends_the_row(
 def alias(alias_with_mariadb: str) -> str:
     """SQLite, PostgreSQL and MariaDB."""
     return alias_with_mariadb
+
+
+def test_until_done__a_started_row_whose_key_has_no_grant_is_ended_by_the_sweep(
+    broker: Broker, lease_db: str
+) -> None:
+    """A row stamped started under a key that has no lease row at all — left by a version
+    that worked a job's key out twice (the row under ``report:(7,)``, the grant under
+    another key) — is ended by the reclaimer's sweep: the key is not blocked forever. A
+    started row whose grant is live stands."""
+    task = broker.app.tasks["seams.keyed"]
+    task.lease_unique = "until_done"
+    try:
+        orphan = publish(broker, 7)
+        running = publish(broker, 8)
+        rows = PendingJob.objects.using(lease_db)
+        rows.filter(task_id=orphan).update(
+            key="report:(7,)", unique_key="report:(7,)", started_token=1
+        )
+        execution = Execution(broker.app, broker.sent("seams.keyed")[1], "held")
+        granted(lease_db, running, 1)
+        assert publish(broker, 8) == running  # its copy still runs: refused
+        resend_pending(broker.app, using=lease_db)
+        assert not rows.filter(task_id=orphan).exists()
+        assert rows.filter(task_id=running).exists()
+        execution.finish()
+    finally:
+        task.lease_unique = None

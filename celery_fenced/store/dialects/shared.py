@@ -151,16 +151,42 @@ class PortableOperations(Dialect, PermitGrants):
         stopped inside its transaction must not stall the reclaimer."""
         rows = PendingJob._default_manager.using(self.alias).filter(started_token__isnull=False)
         ended = self._ended_copies(rows, "until_done")
+        orphans = self._delete_orphans(rows)
         if not connections[self.alias].features.has_select_for_update_skip_locked:
             deleted: int = ended.delete()[0]
-            return deleted
+            return deleted + orphans
         with transaction.atomic(using=self.alias):
             ids = list(ended.select_for_update(skip_locked=True).values_list("id", flat=True))
             if not ids:
-                return 0
+                return orphans
             pending = PendingJob._default_manager.using(self.alias)
             gone: int = pending.filter(id__in=ids).delete()[0]
-            return gone
+            return gone + orphans
+
+    def _delete_orphans(self, started: Any) -> int:
+        """Delete the started rows whose key has no lease row at all: their grant is gone
+        (lease rows are never deleted, and the grant that stamps a row writes its key's
+        lease row in the same transaction) — a row left by a version that worked a job's
+        key out twice, the row under one key and the grant under another, which nothing
+        else would ever end.
+
+        Read first, in a statement of its own (its snapshot shows a row's stamp only
+        with the lease row written beside it), then deleted by id and stamp, the lease's
+        absence checked again: a row stamped since is left alone."""
+        leases = Lease._default_manager.using(self.alias)
+        orphans = list(
+            started.exclude(Exists(leases.filter(key=OuterRef("key")))).values_list(
+                "id", "started_token"
+            )[:100]
+        )
+        gone = 0
+        for row_id, token in orphans:
+            gone += (
+                started.filter(id=row_id, started_token=token)
+                .exclude(Exists(leases.filter(key=OuterRef("key"))))
+                .delete()[0]
+            )
+        return gone
 
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str
