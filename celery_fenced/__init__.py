@@ -14,6 +14,7 @@ from celery_fenced.exceptions import (
     LeaseBusy,
     LeaseLost,
     StaleToken,
+    UncommittedJob,
 )
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "LeaseBusy",
     "LeaseLost",
     "StaleToken",
+    "UncommittedJob",
     "acquire",
     "current_lease",
     "fenced_update",

@@ -116,6 +116,45 @@ class AlreadyCompleted(_DataError):
         )
 
 
+class UncommittedJob(_DataError):
+    """A result was waited for in the thread whose transaction holds the job back.
+
+    The outbox sends a job published inside a transaction on the lease database when
+    that transaction commits; waiting for its result before then (``.get()``, ``wait``,
+    ``join``, ``collect`` in the same thread) would wait until the timeout for a message
+    that is sent only afterwards. ``rolled_back``: the transaction rolled back instead,
+    and the job will never be sent.
+    """
+
+    def __init__(
+        self, task_id: str, alias: str, task_name: str = "", rolled_back: bool = False
+    ) -> None:
+        self.task_id = task_id
+        #: the lease database whose transaction holds the job
+        self.alias = alias
+        self.task_name = task_name
+        self.rolled_back = rolled_back
+        super().__init__(task_id, alias, task_name, rolled_back)
+
+    def message(self) -> str:
+        job = f"{self.task_name or 'task'}[{self.task_id}]"
+        if self.rolled_back:
+            return (
+                f"{job} will never be sent: the transaction on database {self.alias!r} "
+                "that published it rolled back (the outbox sends a job when the "
+                "transaction that published it commits); there is no result to wait for"
+            )
+        return (
+            f"{job} is not sent yet: the outbox sends it when this thread's transaction "
+            f"on database {self.alias!r} commits, so waiting for its result here would "
+            "only wait until the timeout. Wait for it after the commit "
+            "(transaction.on_commit, or after the atomic block), publish it outside the "
+            "transaction (with ATOMIC_REQUESTS, a view marked "
+            "transaction.non_atomic_requests), or turn the outbox off for this task "
+            '(lease_outbox=False, or "outbox": False in fenced_tasks)'
+        )
+
+
 class InvalidLeaseKey(FencedError, ValueError):
     """A lease key that cannot be made or stored: the message names the task and why."""
 

@@ -59,17 +59,19 @@ def fence_in_every_process() -> None:
     app's task registry. An invalid setting is left to the system checks and the
     worker's start.
 
-    Every app is also given the package's ``send_task`` (:mod:`celery_fenced.sending`):
-    each app that exists now (a project's Celery app is created before Django loads its
-    apps), and each finalized later.
+    Every app is also given the package's ``send_task`` (:mod:`celery_fenced.sending`)
+    and result classes that do not wait for a job its thread has not sent yet
+    (:mod:`celery_fenced.results`): each app that exists now (a project's Celery app is
+    created before Django loads its apps), and each finalized later.
     """
     from celery import _state
 
-    from celery_fenced import sending  # imports the models: after the app registry
+    from celery_fenced import results, sending  # the models: after the app registry
 
     _state.connect_on_app_finalize(_fence_when_finalized)
     for app in list(_state._get_active_apps()):  # type: ignore[attr-defined]
         sending.install(app)
+        results.install(app)
         # before finalize too: every registration is seen before the task is bound
         _fence_later_registrations(app)
         if app.finalized:
@@ -77,9 +79,10 @@ def fence_in_every_process() -> None:
 
 
 def _fence_when_finalized(app: Any) -> None:
-    from celery_fenced import sending
+    from celery_fenced import results, sending
 
     sending.install(app)
+    results.install(app)
     # called at the start of finalize: the tasks are all there once it has ended
     _fence_later_registrations(app)
     app.on_after_finalize.connect(

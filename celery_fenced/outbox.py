@@ -22,12 +22,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, connections
 from django.utils import timezone
 from kombu import serialization
 from kombu.exceptions import OperationalError
 
-from celery_fenced import keys, outages, reclaim, signals
+from celery_fenced import keys, outages, reclaim, results, signals
 
 #: set while the package sends a message that must not wait for a commit: a retry or a
 #: replacement raised inside the caller's own transaction, which the raise rolls back
@@ -150,10 +150,11 @@ def record_plain(
     pending = _row(app, name, args, kwargs, task_id, options, plain=True)
     # what the caller lent (a group's producer) is back in its pool by the commit
     kept = {k: v for k, v in options.items() if k not in ("producer", "result_cls")}
+    handle = results.aware(options.get("result_cls") or app.AsyncResult)(task_id)
     if pending is None:  # JSON cannot carry it: sent on the commit, unrecorded
-        handle = (options.get("result_cls") or app.AsyncResult)(task_id)
         result = _unrecorded(
             alias,
+            name,
             handle,
             lambda: original(name, args, kwargs, task_id=task_id, add_to_parent=False, **kept),
         )
@@ -177,8 +178,8 @@ def record_plain(
         if _sent_or_marked_unsent(alias, name, task_id, publish) and not held:
             _end_row(alias, task_id, "sent", f"{name}[{task_id}]")
 
-    transaction.on_commit(send, using=alias)
-    return in_trail(app, (options.get("result_cls") or app.AsyncResult)(task_id), to_parent)
+    deferred = results.on_commit(alias, task_id, name, send)
+    return in_trail(app, results.hold(handle, deferred), to_parent)
 
 
 def in_trail(app: Any, result: Any, to_parent: bool) -> Any:
@@ -193,6 +194,7 @@ def in_trail(app: Any, result: Any, to_parent: bool) -> Any:
 
 def _unrecorded(
     alias: str,
+    name: str,
     result: Any,
     send_later: Callable[[], Any],
     send_now: Callable[[], Any] | None = None,
@@ -218,8 +220,7 @@ def _unrecorded(
                 extra={"task_id": result.id},
             )
 
-    transaction.on_commit(send, using=alias)
-    return result
+    return results.hold(result, results.on_commit(alias, result.id, name, send))
 
 
 def _held_until_started(app: Any, name: str) -> bool:
@@ -347,7 +348,7 @@ def publish(
     pending = _pending(task, args, kwargs, task_id, options, key)
     if pending is None:
         sent: AsyncResult[Any] = _unrecorded(
-            alias, task.result(task_id), lambda: send(True), lambda: send(False)
+            alias, task.name, task.result(task_id), lambda: send(True), lambda: send(False)
         )
         return sent
     in_transaction = connections[alias].in_atomic_block
@@ -363,11 +364,15 @@ def publish(
     if standing != task_id:
         return _deduplicated(task, alias, pending, standing)
 
-    transaction.on_commit(
+    # remembered while it waits: a result handle of the job, waited for in this thread
+    # before the commit, raises UncommittedJob rather than wait for its timeout
+    deferred = results.on_commit(
+        alias,
+        task_id,
+        task.name,
         lambda: _sent_or_marked_unsent(alias, task.name, task_id, lambda: send(in_transaction)),
-        using=alias,
     )
-    return task.result(task_id)
+    return results.hold(task.result(task_id), deferred)
 
 
 def _pending(

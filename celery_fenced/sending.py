@@ -27,7 +27,7 @@ from typing import Any
 
 from celery.utils import uuid
 
-from celery_fenced import conf, context, keys, outbox
+from celery_fenced import conf, context, keys, outbox, results
 from celery_fenced.execution import FencedExecution
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _publish(
     lease database commits (:func:`outbox.publish`)."""
     task_id = options.pop("task_id", None) or uuid()
     to_parent = options.pop("add_to_parent", True)
-    result_cls = options.pop("result_cls", None) or app.AsyncResult
+    result_cls = results.aware(options.pop("result_cls", None) or app.AsyncResult)
     # without a key, no copy of the job can be told apart at publish
     publisher = outbox.Publisher(app, name, fenced.unique if key else None, result_cls)
 

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 from celery.backends.base import BaseBackend
 
-from celery_fenced import LeaseBusy, LeaseLost, StaleToken, acquire
+from celery_fenced import LeaseBusy, LeaseLost, StaleToken, UncommittedJob, acquire
 from celery_fenced.exceptions import AlreadyCompleted, FencedError
 from devtools.workers import broker_app, broker_url, send
 
@@ -23,6 +23,8 @@ ERRORS = [
     LeaseBusy("report:42"),
     LeaseLost("report:42", 7, "expired"),
     AlreadyCompleted("report:42", "task-id", 2),
+    UncommittedJob("task-id", "default", "demo.rebuild"),
+    UncommittedJob("task-id", "postgres", rolled_back=True),
 ]
 
 
@@ -55,6 +57,15 @@ def test_exceptions__messages_name_the_data() -> None:
     )
     assert str(LeaseLost("k", 2, "expired")) == "lease 'k' under token 2 was lost: expired"
     assert str(FencedError()) == "A celery-fenced error."
+    waiting = str(UncommittedJob("t1", "default", "demo.rebuild"))
+    assert waiting.startswith("demo.rebuild[t1] is not sent yet: the outbox sends it when ")
+    assert "database 'default' commits" in waiting
+    assert "transaction.on_commit" in waiting
+    assert "lease_outbox=False" in waiting
+    assert str(UncommittedJob("t1", "default", rolled_back=True)).startswith(
+        "task[t1] will never be sent: the transaction on database 'default' that published "
+        "it rolled back"
+    )
 
 
 TASK = "errors.raise_fenced_error"

@@ -17,6 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_results.models import ChordCounter, TaskResult
 
+from celery_fenced import UncommittedJob
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
 from devtools.workers import broker_app, broker_url, lose_queued, queued, wait_for
@@ -87,6 +88,23 @@ def test_published_in_a_rolled_back_transaction__never_runs(
     assert not TaskResult.objects.using(lease_db).filter(task_id=lost.id).exists()
     assert not Lease.objects.using(lease_db).filter(task_id=lost.id).exists()
     assert not PendingJob.objects.using(lease_db).exists()  # the kept one's ended at its grant
+
+
+def test_waited_for_before_the_commit__raises_at_once_then_after_it_gets_the_result(
+    lease_db: str, start_worker: Any, publisher: Any
+) -> None:
+    """Inside the publishing transaction the wait raises (the message is not sent yet);
+    once it has committed, the same handle waits for the worker as Celery's does."""
+    start_worker("a")
+    probe = publisher.tasks[PROBE]
+    with transaction.atomic(using=lease_db):
+        result = probe.apply_async(kwargs={"marker": "waited"}, queue=start_worker.queue)
+        started = time.monotonic()
+        with pytest.raises(UncommittedJob) as raised:
+            result.get(timeout=30)
+        assert time.monotonic() - started < 10
+        assert (raised.value.task_id, raised.value.alias) == (result.id, lease_db)
+    assert result.get(timeout=90)["marker"] == "waited"
 
 
 def test_published_while_the_broker_is_down__runs_once_when_it_is_back(
