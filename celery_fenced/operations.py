@@ -28,9 +28,6 @@ EXPIRED = "expired"
 RELEASED = "released"
 STATES = (HELD, EXPIRED, RELEASED)
 
-#: Kinds that end a grant against its holder's will: shown as takeovers.
-TAKEOVER_KINDS = (LeaseEvent.Kind.RECLAIMED, LeaseEvent.Kind.FORCE_RELEASED)
-
 PRUNE_BATCH_SIZE = 10_000
 COUNT_CAP = 10_000
 

@@ -53,12 +53,6 @@ class PostgreSQL(SQLDialect):
     NOW = "statement_timestamp()"
     JSON = "%s::jsonb"
 
-    def json_text(self, column: str, name: str) -> str:
-        return f"({column} ->> '{name}')"
-
-    def json_int(self, column: str, name: str) -> str:
-        return f"({column} ->> '{name}')::bigint"
-
     def expiry(self, ttl_sql: str) -> str:
         return f"(statement_timestamp() + ({ttl_sql})::float8 * interval '1 second')"
 

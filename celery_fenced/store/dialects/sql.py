@@ -213,14 +213,6 @@ class SQLDialect(PortableOperations):
     def _marked_params(self, delivery: Delivery, window: float) -> list[Any]:
         return [delivery.digest, delivery.retries, self.ttl_param(window)]
 
-    @abc.abstractmethod
-    def json_text(self, column: str, name: str) -> str:
-        """SQL for the text of member ``name`` of the JSON ``column``."""
-
-    @abc.abstractmethod
-    def json_int(self, column: str, name: str) -> str:
-        """SQL for member ``name`` of the JSON ``column``, as an integer."""
-
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
         rows = self._fetch(
             f"""SELECT 1 FROM {LEASE} l WHERE l.key = %s AND {self._marked_sql("l")}

@@ -40,12 +40,6 @@ class SQLite(SQLDialect):
     NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
     JSON = "%s"
 
-    def json_text(self, column: str, name: str) -> str:
-        return f"json_extract({column}, '$.{name}')"
-
-    def json_int(self, column: str, name: str) -> str:
-        return f"json_extract({column}, '$.{name}')"
-
     def expiry(self, ttl_sql: str) -> str:
         return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
 
