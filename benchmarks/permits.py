@@ -1,4 +1,4 @@
-"""Row 7: permits (issue 18) — grant-and-release cycles of one key's permits.
+"""Row 7: permits — grant-and-release cycles of one key's permits.
 
 Threads of one process loop ``acquire(key, limit=N)`` then ``release()`` on PostgreSQL,
 N threads for N permits (each finds one free), against what a user would use instead

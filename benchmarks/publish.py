@@ -1,4 +1,4 @@
-"""Row 6: what the outbox adds to publishing a job (issue 17).
+"""Row 6: what the outbox adds to publishing a job.
 
 ``apply_async`` of a fenced no-op task through the outbox (a pending row written in the
 lease database, then the message sent) against the same call of a plain task (the
@@ -7,7 +7,7 @@ the way a web request publishes — inside the request's transaction, which writ
 its own, sent on commit — where the plain baseline is what Django users do without the
 package (``transaction.on_commit(lambda: task.apply_async(...))``, Celery's
 ``delay_on_commit``).
-And the cost of ``lease_unique`` (issue 18): a unique job's publish (a new key each
+And the cost of ``lease_unique``: a unique job's publish (a new key each
 call) against the fenced one, and a refused copy (the same key again) against what
 celery-once does instead — a Redis ``SET key NX EX`` at publish, the message sent when it
 is set — for a new key and for a refused one.

@@ -1,4 +1,4 @@
-"""A real prefork worker with ``fenced_metrics_port`` (issue 19): scraped over HTTP after
+"""A real prefork worker with ``fenced_metrics_port``: scraped over HTTP after
 a takeover between its two pool processes, its counters add up across them."""
 
 from __future__ import annotations

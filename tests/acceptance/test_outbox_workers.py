@@ -1,4 +1,4 @@
-"""The outbox (issue 17) with real `celery worker` processes on Redis and RabbitMQ.
+"""The outbox with real `celery worker` processes on Redis and RabbitMQ.
 
 Jobs are published through the fenced task's own ``apply_async`` in this process (the
 publisher: a web request, say); the workers take them from the broker.

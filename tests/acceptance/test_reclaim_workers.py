@@ -258,7 +258,7 @@ def test_sigstop_holder__reclaimed_completed_by_the_other_and_fenced_after_sigco
 def test_stale_holder_time_limit__ends_nothing_of_the_execution_that_took_over(
     alias: str, broker: Broker, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """Issue 14, case 1. A's pool child is stopped holding the job; the reclaimer re-sends
+    """A's pool child is stopped holding the job; the reclaimer re-sends
     it and B takes over (token 2). Only then does A's main process run again: A's hard
     time limit has passed, so it kills the child and reports ``TimeLimitExceeded``. That
     report ends no grant of B's and stores nothing; B's SUCCESS is the job's result."""

@@ -505,10 +505,10 @@ def test_two_workers_of_one_node_name__a_report_by_the_others_pid_ends_no_grant(
 def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_redelivery(
     alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:
-    """Issue 14, case 3, as it was seen: ten jobs on one key; each waits with busy retries
-    counted down past Redis's visibility timeout, so Redis also redelivers the retry
-    messages. The package's re-sends keep the retry count, so every copy of a completed
-    job is a duplicate: each body runs exactly once."""
+    """Ten jobs on one key; each waits with busy retries counted down past Redis's
+    visibility timeout, so Redis also redelivers the retry messages. The package's
+    re-sends keep the retry count, so every copy of a completed job is a duplicate: each
+    body runs exactly once."""
     from testproject.demo.models import LedgerEntry
 
     env = {

@@ -1,4 +1,4 @@
-"""A job displaced by another job's takeover of its expired grant (issue 17): handed to
+"""A job displaced by another job's takeover of its expired grant: handed to
 the outbox, it ends with exactly one outcome, whichever report comes first. Found by an
 adversarial review of the hand-over; through Celery's tracer on both databases."""
 

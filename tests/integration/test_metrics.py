@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 19): fed from the signals, served by the Django view with the
+"""Prometheus metrics: fed from the signals, served by the Django view with the
 lease database's gauges, on SQLite and PostgreSQL."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The outbox (issue 17): record at publish, send on commit, re-send what never started.
+"""The outbox: record at publish, send on commit, re-send what never started.
 
 Published through Celery's own ``apply_async`` (the ``broker`` fixture records what
 reaches the broker), delivered through Celery's tracer, re-sent by the reclaimer.

@@ -1,4 +1,4 @@
-"""Permits (issue 18): up to N holders of a key, each with a fencing token of the key's one
+"""Permits: up to N holders of a key, each with a fencing token of the key's one
 sequence, on SQLite, PostgreSQL and MariaDB — PostgreSQL's one-statement grant and the portable
 transaction both (``dialect``)."""
 

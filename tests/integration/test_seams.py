@@ -1,4 +1,4 @@
-"""A stale execution changes nothing, through Celery's own tracer (issue 14).
+"""A stale execution changes nothing, through Celery's own tracer.
 
 Each test delivers real messages — published by Celery's canvas (chains, chords, links)
 into an in-memory broker and captured with Celery's ``before_task_publish`` signal — to

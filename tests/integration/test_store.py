@@ -619,7 +619,8 @@ def test_acquire__completion_committing_while_the_duplicate_waits_is_seen(
     alias: str, portable: bool
 ) -> None:
     """The duplicate's grant statement starts before the completing transaction commits
-    and waits for the lease row: it must not be granted (issue 14, case 4)."""
+    and waits for the lease row: it must not be granted, since the completion it waited
+    for makes it a duplicate."""
     dialect = for_alias(alias, portable=portable)
     dialect.acquire(GrantRequest("job", 30, "a", "t1", "task", None, delivery(), 3600))
     done = Ending("job", 1, "a", "t1", "SUCCESS", delivery())
@@ -633,7 +634,7 @@ def test_acquire__marker_moved_while_the_duplicate_waits_is_seen(
 ) -> None:
     """t1 completed under the key, then t9 took it. t9's completion moves t1's marker to
     the Completion table while t1's redelivery waits for the row: the grant statement's
-    snapshot does not see the moved marker, so it must not be granted (issue 16)."""
+    snapshot does not see the moved marker, so it must not be granted."""
     completion(alias, delivery(), key="job")
     dialect = for_alias(alias, portable=portable)
     t9 = delivery("t9", 0, "m9")

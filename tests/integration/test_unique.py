@@ -1,4 +1,4 @@
-"""No duplicate queued (``lease_unique``, issue 18): decided by the outbox's row.
+"""No duplicate queued (``lease_unique``): decided by the outbox's row.
 
 Published through Celery's own ``apply_async`` (the ``broker`` fixture records what
 reaches the broker), delivered through Celery's tracer.
