@@ -53,11 +53,21 @@ class Deferred:
         #: the commit came and the sending ran (whatever its outcome: a broker that
         #: refuses it leaves the job to the reclaimer, as for any publish)
         self.ran = False
+        #: a later publish of the same task id in this thread: what decides since
+        self.successor: Deferred | None = None
 
     def __call__(self) -> None:
         self.ran = True
         send, self._send = self._send, _sent  # what it holds is not kept with the handle
         send()
+
+    def latest(self) -> Deferred:
+        """The sending of this task id published last in this thread (this one, or one of
+        a later publish of the same id: a rolled-back job sent again decides nothing)."""
+        deferred = self
+        while deferred.successor is not None:
+            deferred = deferred.successor
+        return deferred
 
     def queued(self) -> bool:
         """Whether the sending still waits in its connection's commit callbacks (Django
@@ -88,8 +98,10 @@ def on_commit(alias: str, task_id: str, task_name: str, send: Callable[[], Any])
     waits: a result handle of ``task_id`` then refuses to wait for it (outside a
     transaction Django calls ``send`` at once, and nothing is waited for)."""
     deferred = Deferred(task_id, task_name, alias, connections[alias], send)
-    if deferred.connection.in_atomic_block:
-        _waiting.by_id[task_id] = deferred
+    previous = _waiting.by_id.get(task_id)
+    if previous is not None:  # the id published again (a fixed task_id, say): this decides
+        previous.latest().successor = deferred
+    _waiting.by_id[task_id] = deferred
     transaction.on_commit(deferred, using=alias)
     return deferred
 
@@ -110,7 +122,8 @@ def refuse_unsent(result: Any) -> None:
     if not _waiting.by_id and held is None:
         return
     for node in _graph(result):
-        deferred = getattr(node, "fenced_sending", None) or _waiting.by_id.get(node.id)
+        found = getattr(node, "fenced_sending", None) or _waiting.by_id.get(node.id)
+        deferred = found.latest() if found is not None else None
         if deferred is None or deferred.ran:
             continue
         if connections[deferred.alias] is not deferred.connection:

@@ -347,3 +347,37 @@ def test_replace_with_the_same_signature__every_poll_runs_and_the_chain_goes_on(
         "poll 3",
     ]
     assert not LeaseEvent.objects.using(lease_db).filter(kind="duplicate").exists()
+
+
+def test_group_and_chord_of_fenced_jobs__joined_and_restored_by_the_apps_result_classes(
+    lease_db: str, start_worker: Any, publisher: Any
+) -> None:
+    """The app's result classes (refusing to wait for an unsent job) are Celery's for
+    everything else: a group saved and restored through the fenced backend, a chord whose
+    header the backend counts and whose body it sends, each waited for after the commit."""
+    from celery import group
+    from celery.result import AsyncResult, GroupResult
+
+    start_worker("a", concurrency=2)
+    probe, effect = publisher.tasks[PROBE], publisher.tasks[EFFECT]
+    queue = start_worker.queue
+    with transaction.atomic(using=lease_db):
+        grouped = group(probe.si(marker=f"g{n}").set(queue=queue) for n in range(3)).apply_async()
+        grouped.save()
+        chorded = chord(
+            [probe.si(marker=f"h{n}").set(queue=queue) for n in range(3)],
+            effect.si("chord-body", "BODY").set(queue=queue),
+        ).apply_async()
+        for waited in (grouped, chorded, chorded.parent):
+            with pytest.raises(UncommittedJob):
+                waited.get(timeout=30)
+    restored = publisher.GroupResult.restore(grouped.id)
+    assert isinstance(restored, GroupResult)
+    assert restored.id == grouped.id
+    assert all(isinstance(member, AsyncResult) for member in restored.results)
+    assert [value["marker"] for value in restored.join(timeout=90)] == ["g0", "g1", "g2"]
+    assert [value["marker"] for value in grouped.get(timeout=90)] == ["g0", "g1", "g2"]
+    assert chorded.get(timeout=90)["token"] == 0  # the plain body, run once
+    assert [value["marker"] for value in chorded.parent.get(timeout=90)] == ["h0", "h1", "h2"]
+    assert LedgerEntry.objects.using(lease_db).filter(job="chord-body").count() == 1
+    assert not ChordCounter.objects.using(lease_db).exists()

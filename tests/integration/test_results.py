@@ -242,3 +242,19 @@ def test_view__atomic_requests__waiting_for_its_job_fails_at_once(
     error = refused(lambda: client.get("/demo/probe-now/", {"marker": "view"}))
     assert (error.alias, error.task_name) == (atomic_requests, "testproject.demo.tasks.probe")
     assert not PendingJob.objects.using(atomic_requests).exists()
+
+
+def test_wait__a_rolled_back_id_published_again_and_sent__waits_as_celery_does(
+    broker: Broker, lease_db: str
+) -> None:
+    """A task id of a rolled-back publish, published again outside a transaction (a fixed
+    ``task_id``): the job is sent, so no handle of it says it never will be."""
+    published: list[Any] = []
+    rolled_back(
+        lease_db, lambda: published.append(step(broker).apply_async(("x",), task_id="fixed"))
+    )
+    again = step(broker).apply_async(("x",), task_id="fixed")
+    assert [headers["id"] for headers, _ in broker.sent("seams.step")] == ["fixed"]
+    for handle in (*published, again, broker.app.AsyncResult("fixed")):
+        with pytest.raises(CeleryTimeout):
+            handle.get(timeout=0.2)
