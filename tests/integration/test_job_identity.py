@@ -10,7 +10,7 @@ in-memory broker, captured with ``before_task_publish``, and delivered to
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -164,8 +164,35 @@ def test_unique_until_done__a_copy_sent_again_as_json_runs_under_the_publish_key
     assert len(runs("identity.batch")) == 1
 
 
-def test_retry__runs_under_the_key_of_the_first_delivery(capture: Any, lease_db: str) -> None:
-    """A retry's message carries the running job's key (the lease it was granted)."""
+#: how a retry is asked for -> the value the first run is given, the keys both runs hold
+RETRIES: dict[str, tuple[Callable[[Any], Any], Any, list[str]]] = {
+    # the key decided at publish, from the arguments before JSON changed their shape
+    "the same job": (lambda task: task.retry(countdown=0), (5, 6), ["r:[5, 6]"] * 2),
+    "the same arguments given again": (
+        lambda task: task.retry(args=task.request.args, kwargs=task.request.kwargs, countdown=0),
+        (5, 6),
+        ["r:[5, 6]"] * 2,
+    ),
+    # the retry works on what its arguments name: their key, not the first job's (under
+    # which it would run unfenced beside a job of its own key)
+    "other arguments": (
+        lambda task: task.retry(kwargs={"value": 2}, countdown=0),
+        1,
+        ["r:1", "r:2"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("retry", "value", "keys"), RETRIES.values(), ids=list(RETRIES))
+def test_retry__runs_under_the_key_of_its_arguments(
+    capture: Any,
+    lease_db: str,
+    retry: Callable[[Any], Any],
+    value: Any,
+    keys: list[str],
+) -> None:
+    """A retry's message carries the key of what it works on: the running job's, unless
+    it was asked for with other arguments."""
     app = make_app()
     broker = capture(app)
 
@@ -175,21 +202,21 @@ def test_retry__runs_under_the_key_of_the_first_delivery(capture: Any, lease_db:
         base=FencedTask,
         shared=False,
         lease_ttl=30,
-        lease_key="retrying:{ids}",
+        lease_key="r:{value}",
     )
-    def retrying(self: Any, ids: Any) -> str:
+    def retrying(self: Any, value: Any) -> str:
         RUNS.append(("identity.retrying", self.request.lease_key))
         if self.request.retries == 0:
-            raise self.retry(countdown=0)
+            raise retry(self)
         return str(self.request.lease_key)
 
-    result = retrying.delay(ids=(5, 6))
+    result = retrying.delay(value=value)
     deliver(app, broker.sent("identity.retrying")[0])
     retried = broker.sent("identity.retrying")[1]
-    assert retried[0][KEY_HEADER] == "retrying:[5, 6]"
+    assert retried[0][KEY_HEADER] == keys[1]
     deliver(app, retried)
-    assert runs("identity.retrying") == ["retrying:[5, 6]", "retrying:[5, 6]"]
-    assert status(lease_db, result.id) == ("SUCCESS", '"retrying:[5, 6]"')
+    assert runs("identity.retrying") == keys
+    assert status(lease_db, result.id) == ("SUCCESS", f'"{keys[1]}"')
 
 
 def test_a_message_without_the_key_header__runs_under_the_key_of_its_arguments(

@@ -1,6 +1,5 @@
 """Attacks on a job's identity through Celery's own tracer: a lease key header that
-belongs to another job, a retry with other arguments, permits, replacement by a group,
-and publishing by task name.
+belongs to another job, permits, replacement by a group, and publishing by task name.
 
 Messages are captured with ``before_task_publish`` and delivered to Celery's
 ``build_tracer`` (see ``test_seams`` and ``test_job_identity``).
@@ -64,7 +63,7 @@ def with_parent_and_child(app: Celery) -> None:
         return str(self.request.lease_key)
 
 
-# -- Q1 (a): a key header that belongs to another job ------------------------------------
+# -- a key header that belongs to another job ----------------------------------------
 @pytest.mark.parametrize("how", ["apply_async", "signature", "send_task"])
 def test_a_child_published_with_its_parents_headers__runs_under_its_own_key(
     capture: Any, lease_db: str, how: str
@@ -125,69 +124,7 @@ def test_a_signature_copied_with_other_arguments__runs_under_its_own_key(
     assert runs("identity.child") == ["child:1", "child:2", "child:3"]
 
 
-# -- Q1 (b): a retry with other arguments ------------------------------------------------
-def test_retry_with_other_arguments__runs_under_the_key_of_its_arguments(
-    capture: Any, lease_db: str
-) -> None:
-    """``self.retry(kwargs=...)`` with other arguments: the retry works on what its
-    arguments name, so it runs under their key (as it did when the worker rendered every
-    key), not under the key that fenced the first arguments while another job of the new
-    key runs unfenced beside it."""
-    app = make_app()
-    broker = capture(app)
-
-    @app.task(
-        name="identity.moving",
-        bind=True,
-        base=FencedTask,
-        shared=False,
-        lease_ttl=30,
-        lease_key="moving:{n}",
-    )
-    def moving(self: Any, n: int) -> str:
-        RUNS.append(("identity.moving", self.request.lease_key))
-        if self.request.retries == 0:
-            raise self.retry(kwargs={"n": n + 1}, countdown=0)
-        return str(self.request.lease_key)
-
-    result = moving.delay(n=1)
-    deliver(app, broker.sent("identity.moving")[0])
-    retried = broker.sent("identity.moving")[1]
-    assert retried[0][KEY_HEADER] == "moving:2"
-    deliver(app, retried)
-    assert runs("identity.moving") == ["moving:1", "moving:2"]
-    assert status(lease_db, result.id) == ("SUCCESS", '"moving:2"')
-
-
-def test_retry_with_the_same_arguments_given_again__keeps_the_key_of_the_job(
-    capture: Any, lease_db: str
-) -> None:
-    """``self.retry(args=self.request.args)``: the same arguments, so the same key (the
-    one decided at publish from the arguments before JSON changed their shape)."""
-    app = make_app()
-    broker = capture(app)
-
-    @app.task(
-        name="identity.same",
-        bind=True,
-        base=FencedTask,
-        shared=False,
-        lease_ttl=30,
-        lease_key="same:{ids}",
-    )
-    def same(self: Any, ids: Any) -> str:
-        RUNS.append(("identity.same", self.request.lease_key))
-        if self.request.retries == 0:
-            raise self.retry(args=self.request.args, kwargs=self.request.kwargs, countdown=0)
-        return str(self.request.lease_key)
-
-    same.delay(ids=(1, 2))
-    deliver(app, broker.sent("identity.same")[0])
-    deliver(app, broker.sent("identity.same")[1])
-    assert runs("identity.same") == ["same:[1, 2]", "same:[1, 2]"]
-
-
-# -- Q1 (c): permits -----------------------------------------------------------------------
+# -- permits (a retry with other arguments: test_job_identity) ---------------------------
 def test_a_permit_jobs_retry__runs_under_the_key_not_its_permit_row(
     capture: Any, lease_db: str
 ) -> None:
@@ -218,7 +155,7 @@ def test_a_permit_jobs_retry__runs_under_the_key_not_its_permit_row(
     assert status(lease_db, result.id) == ("SUCCESS", '"permitted:1"')
 
 
-# -- Q2: replaced by a group -----------------------------------------------------------------
+# -- replaced by a group ------------------------------------------------------------
 def test_replace_with_a_group__each_member_runs_once_and_a_late_copy_is_a_duplicate(
     capture: Any, lease_db: str
 ) -> None:
@@ -247,7 +184,7 @@ def test_replace_with_a_group__each_member_runs_once_and_a_late_copy_is_a_duplic
     assert LeaseEvent.objects.using(lease_db).filter(kind="duplicate").count() == 1
 
 
-# -- Q3: by task name ----------------------------------------------------------------------
+# -- by task name -------------------------------------------------------------------
 def test_send_task_of_a_registered_fenced_task__one_row_one_message(
     capture: Any, lease_db: str
 ) -> None:
