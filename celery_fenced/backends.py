@@ -275,6 +275,15 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         if not task_id or not isinstance(task, FencedExecution):
             return
         store.forget_pending(store.database_alias(), task_id)
+        ending = self._job_ended(task_id, state, request)
+        if ending is not None:  # the grant it kept while the outcome was written
+            process = state_of(request).process
+            store.settle_elsewhere(
+                task_id,
+                process=process.owner_prefix if process is not None else None,
+                by=f"worker:{state.lower()}",
+                ending=ending,
+            )
 
     def _job_ended(self, task_id: str, state: str, request: Any) -> store.Delivery | None:
         """The delivery whose job a reported FAILURE ends: that of a pool process that
@@ -621,11 +630,13 @@ class FencedDatabaseBackend(DatabaseBackend):  # type: ignore[misc]
         # running the job
         ended = state_of(request).process
         process = ended.owner_prefix if ended is not None else owners.execution_owner(request)
+        # the grant of a FAILURE that ends the job is released once that outcome is
+        # written, with its delivery marked ended (:meth:`_ended`)
         may = store.settle_elsewhere(
             task_id,
             process=process,
             by=f"worker:{state.lower()}",
-            ending=self._job_ended(task_id, state, request),
+            release=self._job_ended(task_id, state, request) is None,
         )
         if not may:
             logger.warning(

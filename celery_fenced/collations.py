@@ -73,17 +73,6 @@ def binary_sql(connection: Any, column: Column) -> str:
     )
 
 
-def make_binary(schema_editor: Any, names: tuple[tuple[str, str], ...]) -> None:
-    """Give the columns ``names`` the binary NO PAD collation (a migration's step; nothing
-    outside the MySQL family)."""
-    connection = schema_editor.connection
-    if connection.vendor != "mysql":
-        return
-    for column in columns(connection, names):
-        if column.collation != binary_collation(connection):
-            schema_editor.execute(binary_sql(connection, column))
-
-
 def check_result_ids(databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """E007: django-celery-results' task and group ids compare byte for byte (the MySQL
     family) once migration 0010 has made them so.

@@ -15,7 +15,8 @@ from typing import Any
 
 from django.db import migrations
 
-from celery_fenced.collations import RESULT_ID_COLUMNS, make_binary
+from celery_fenced.collations import RESULT_ID_COLUMNS
+from celery_fenced.migrations._binary import make_binary
 
 
 def binary_result_ids(apps: Any, schema_editor: Any) -> None:

@@ -244,6 +244,7 @@ def settle_elsewhere(
     by: str,
     using: str | None = None,
     ending: Delivery | None = None,
+    release: bool = True,
 ) -> bool:
     """Whether an outcome of ``task_id`` reported outside its grant may be recorded.
 
@@ -263,12 +264,15 @@ def settle_elsewhere(
     another execution of it took its grant over: that one's outcome is the job's, even
     once it has ended (a second hard time limit's report would send the errbacks again).
 
-    ``ending``: the delivery that this report ends the job of (the FAILURE of a pool
-    process that ended: the job's outcome, as its own FAILURE would be). It is marked
-    ended in the transaction that releases the process's grant, before the release: a
-    copy of the message granted once the key is free is a completed duplicate — marked
-    after, the copy could run in between and turn the FAILURE into a SUCCESS after the
-    errbacks went out.
+    ``release=False`` decides and changes nothing: the process's grant is kept while its
+    outcome is written, then ended by a second call with ``ending``, the delivery whose job
+    that outcome ends (the FAILURE of a pool process that ended: the job's outcome, as its
+    own FAILURE would be). ``ending`` is marked ended in the transaction that releases the
+    grant, before the release, and in the outcome's own transaction where the result and
+    lease databases are one: a copy of the message finds the key held until then, and a
+    completed duplicate after — it could not run in between and turn the FAILURE into a
+    SUCCESS after the errbacks went out, nor find the job marked ended with no outcome
+    written (the reporting process stopped in between).
     """
     alias = database_alias(using)
     dialect = dialects.for_alias(alias)
@@ -292,6 +296,8 @@ def settle_elsewhere(
         if process is None and not live:
             continue
         if process is not None and _owned_by(owner, process):
+            if not release:
+                continue
             ended = _release_ending(alias, dialect, key, by, task_id, token, ending)
             if ended is not None:
                 ending = None  # marked with the release
@@ -314,7 +320,7 @@ def settle_elsewhere(
                 )
         else:
             others = True
-    if not others and ending is not None:  # the process's grant had ended already
+    if release and not others and ending is not None:  # its grant had ended already
         mark_ended(alias, ending)
     return not others
 

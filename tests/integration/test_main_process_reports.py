@@ -125,13 +125,14 @@ def test_hard_time_limit__a_copy_of_the_job_delivered_after_its_failure_does_not
     assert [run[:2] for run in RUNS if run[0] == "seams.step"] == [("seams.step", "t")]
 
 
-def test_hard_time_limit__a_copy_granted_as_the_grant_is_released_is_a_duplicate(
+def test_hard_time_limit__a_copy_delivered_as_the_grant_is_released_is_a_duplicate(
     broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes]
 ) -> None:
     """A copy of the message is delivered the moment the main process's report releases
-    the pool process's grant, before the FAILURE is stored: the delivery was marked ended
-    with that release, so the copy is a duplicate — it was granted and ran, and its
-    SUCCESS stood after the errback went out (the chaos runner's invariant e)."""
+    the pool process's grant: the release comes with the job's FAILURE and the delivery
+    marked ended, so the copy is a duplicate — released before the FAILURE was stored, the
+    copy was granted and ran, and its SUCCESS stood after the errback went out (the chaos
+    runner's invariant e)."""
     from celery_fenced import signals
 
     app = broker.app
@@ -142,11 +143,12 @@ def test_hard_time_limit__a_copy_granted_as_the_grant_is_released_is_a_duplicate
     key = copy[0]["fenced_lease_key"]
     pid = pool_process.pid
     acquire(key, ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
-    delivered: list[Any] = []
+    copies: list[threading.Thread] = []
 
     def deliver_the_copy(sender: Any = None, forced: bool = False, **_: Any) -> None:
-        if forced and not delivered:
-            delivered.append(deliver(app, copy))
+        if forced and not copies:  # in a thread of its own: it waits for the commit
+            copies.append(threading.Thread(target=deliver_and_close, args=(app, copy)))
+            copies[0].start()
 
     signals.lease_released.connect(deliver_the_copy, weak=False)
     try:
@@ -157,10 +159,53 @@ def test_hard_time_limit__a_copy_granted_as_the_grant_is_released_is_a_duplicate
         wait_for(lambda: not reports_waiting(), "the report")
     finally:
         signals.lease_released.disconnect(deliver_the_copy)
-    assert delivered, "the copy was not delivered at the release"
+    assert copies, "the copy was not delivered at the release"
+    copies[0].join(60)
     assert [run for run in RUNS if run[0] == "seams.step"] == []
     assert status(lease_db, "t1")[0] == states.FAILURE
     assert len(broker.sent("seams.errback")) == 1
+
+
+def test_hard_time_limit__a_report_that_stops_before_its_outcome_leaves_the_job_to_run(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes], monkeypatch: Any
+) -> None:
+    """The reporting main process stops (killed) after deciding to record the FAILURE and
+    before writing it: the pool process's grant is still held and the delivery is not
+    marked ended, so once the grant expires a copy of the message runs the job — marked
+    ended with nothing written, every copy was a duplicate and the job never ended (the
+    chaos runner's short form, a worker killed in between)."""
+    from celery_fenced.backends import FencedDatabaseBackend
+
+    app = broker.app
+    app.signature("seams.step", ("t",)).apply_async(task_id="t1")
+    copy = broker.one("seams.step")
+    key = copy[0]["fenced_lease_key"]
+    pid = pool_process.pid
+    acquire(key, ttl=30, task_id="t1", owner=pool_owner(pid), using=lease_db)
+
+    def stopped(*args: Any, **kwargs: Any) -> None:
+        """The process stops here: nothing of the outcome is written, nothing after it."""
+
+    monkeypatch.setattr(FencedDatabaseBackend, "_untokened", stopped)
+    request = accepted(broker, "t1", pid)
+    request.on_timeout(False, 1.0)
+    pool_process.kill()
+    pool_process.wait()
+    wait_for(lambda: not reports_waiting(), "the report")
+    monkeypatch.undo()
+    lease = Lease.objects.using(lease_db).get(key=key)
+    assert lease.released_at is None  # still the pool process's: a copy finds it held
+    Lease.objects.using(lease_db).filter(pk=lease.pk).update(expires_at=F("acquired_at"))
+    deliver(app, copy)  # the grant expired: the copy takes it over and runs the job
+    assert [run[:2] for run in RUNS if run[0] == "seams.step"] == [("seams.step", "t")]
+    assert status(lease_db, "t1")[0] == states.SUCCESS
+
+
+def deliver_and_close(app: Any, message: Any) -> None:
+    try:
+        deliver(app, message)
+    finally:
+        connections.close_all()
 
 
 def test_hard_time_limits_of_a_taken_over_process_and_its_taker__one_report_records(
