@@ -447,6 +447,8 @@ def test_execution_ended_by_the_worker__grant_released_at_once(
 
 
 @pytest.mark.broker("redis")
+# the workers' identities, not the database, are under test: PostgreSQL alone (32 s a run)
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_two_workers_of_one_node_name__a_report_by_the_others_pid_ends_no_grant(
     alias: str, start_worker: Any
 ) -> None:
