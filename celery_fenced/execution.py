@@ -253,7 +253,7 @@ class FencedExecution:
         task_id = options.get("task_id")
         retried = outbox.is_same_job() and self.request.id == task_id
         if not retried or _same_arguments(self.request, args, kwargs, serializer):
-            carried = keys.carried_key(_headers_option(options), self.name, task_id)
+            carried = keys.carried_key(keys.headers_of(options), self.name, task_id)
             if carried is not None:
                 return carried
             running = getattr(self.request, "lease_key", None)
@@ -301,13 +301,7 @@ class FencedExecution:
 
         chosen = task_id or uuid()
         key = self.publish_key(args, kwargs, {**options, "task_id": chosen})
-        if key is not None:  # every copy of the message runs under it
-            options["headers"] = {
-                **_headers_option(options),
-                **keys.key_headers(key, self.name, chosen),
-            }
-        elif keys.KEY_HEADER in _headers_option(options):  # not this job's key
-            options["headers"] = keys.without_key(_headers_option(options))
+        keys.stamp_key(options, key, self.name, chosen)
         if more or not self.fenced_options().outbox:
             return plain(args, kwargs, chosen, *more, **options)
         if outbox.sends_at_once():
@@ -653,11 +647,6 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
 
         super().__init_subclass__(**kwargs)
         validate_task_class(cls)
-
-
-def _headers_option(options: Mapping[str, Any]) -> dict[str, Any]:
-    headers = options.get("headers")
-    return dict(headers) if isinstance(headers, Mapping) else {}
 
 
 def _message_headers(request: Any) -> Mapping[str, Any]:

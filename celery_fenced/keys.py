@@ -229,6 +229,22 @@ def key_headers(key: str, task_name: str, task_id: str) -> dict[str, str]:
     return {KEY_HEADER: key, JOB_HEADER: job_of(task_name, task_id)}
 
 
+def headers_of(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The custom message headers a publish's ``options`` carry (a copy; none: empty)."""
+    headers = options.get("headers")
+    return dict(headers) if isinstance(headers, Mapping) else {}
+
+
+def stamp_key(options: dict[str, Any], key: str | None, task_name: str, task_id: str) -> None:
+    """Give a publish's ``options`` the headers that carry ``key`` as the key of job
+    ``task_id`` of ``task_name``; with no key, take off a key header they carry from
+    another job (a parent's headers passed on)."""
+    if key is not None:  # every copy of the message runs under it
+        options["headers"] = {**headers_of(options), **key_headers(key, task_name, task_id)}
+    elif KEY_HEADER in headers_of(options):
+        options["headers"] = without_key(headers_of(options))
+
+
 def without_key(headers: Mapping[str, Any]) -> dict[str, Any]:
     """``headers`` without a key of their own (:func:`key_headers`)."""
     return {k: v for k, v in headers.items() if k not in (KEY_HEADER, JOB_HEADER)}

@@ -66,13 +66,7 @@ def _send_task(
             # the job's id, chosen now: its key header names it
             options["task_id"] = options.get("task_id") or uuid()
             key = _publish_key(app, name, fenced.key, args, kwargs, options)
-            if key is not None:  # every copy of the message runs under it
-                options["headers"] = {
-                    **_headers(options),
-                    **keys.key_headers(key, name, options["task_id"]),
-                }
-            elif keys.KEY_HEADER in _headers(options):  # another job's
-                options["headers"] = keys.without_key(_headers(options))
+            keys.stamp_key(options, key, name, options["task_id"])
             if fenced.outbox and not outbox.sends_at_once():
                 return _publish(app, original, name, fenced, args, kwargs, options, key)
     alias = outbox.plain_recording()
@@ -94,11 +88,6 @@ def _apply_async_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in ("task_type", "result_cls")}
 
 
-def _headers(options: Mapping[str, Any]) -> dict[str, Any]:
-    headers = options.get("headers")
-    return dict(headers) if isinstance(headers, Mapping) else {}
-
-
 def _publish_key(
     app: Any, name: str, spec: Any, args: Any, kwargs: Any, options: Mapping[str, Any]
 ) -> str | None:
@@ -106,7 +95,7 @@ def _publish_key(
     without the task knows: the key the headers already carry; a template whose every
     field is a keyword argument; a callable key. None otherwise (the default key needs
     the task's signature): the worker decides it."""
-    carried = keys.carried_key(_headers(options), name, options.get("task_id"))
+    carried = keys.carried_key(keys.headers_of(options), name, options.get("task_id"))
     if carried is not None:
         return carried
     if spec is None:
