@@ -11,7 +11,7 @@ from html import unescape
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import Permission, User
+from django.contrib.auth.models import User
 from django.db import connections
 from django.db.models import F
 from django.test import Client
@@ -97,23 +97,6 @@ def lease_db(alias: str, settings: Any) -> str:
     settings.CELERY_FENCED_DATABASE = alias
     assert operations.database_alias() == alias
     return alias
-
-
-@pytest.fixture
-def login(client: Client) -> Callable[..., Client]:
-    """Log ``client`` in as a staff user holding the given celery_fenced permissions."""
-
-    def log_in(*codenames: str, username: str = "alice") -> Client:
-        user = User.objects.create_user(username, password="pw", is_staff=True)
-        perms = Permission.objects.filter(
-            content_type__app_label="celery_fenced", codename__in=codenames
-        )
-        assert perms.count() == len(codenames), codenames
-        user.user_permissions.add(*perms)
-        client.force_login(user)
-        return client
-
-    return log_in
 
 
 VIEWER = ("view_lease", "view_leaseevent", "view_pendingjob")

@@ -30,7 +30,7 @@ from celery_fenced.store import dialects
 from celery_fenced.store.dialects import Delivery
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB
-from tests.integration.test_admin import CHANGELIST, OPERATOR, login  # noqa: F401 (fixture)
+from tests.integration.test_admin import CHANGELIST, OPERATOR
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
@@ -487,7 +487,7 @@ def test_force_release__of_a_permit__ends_its_grant(alias: str) -> None:
 
 def test_admin__force_release_action_on_a_permit(
     lease_db: str,
-    login: Callable[..., Client],  # noqa: F811
+    login: Callable[..., Client],
 ) -> None:
     holder = acquire("tiles", ttl=30, limit=2, owner="worker-a", using=lease_db)
     pk = Lease.objects.using(lease_db).get(key=holder.key).pk

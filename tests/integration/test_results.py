@@ -27,7 +27,6 @@ from celery_fenced.models import PendingJob
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_outbox import rolled_back
 from tests.integration.test_seams import Broker, deliver
-from tests.integration.test_sending import web  # noqa: F401 (the fixture)
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
@@ -201,7 +200,7 @@ def test_wait__eager__returns_the_result(broker: Broker, lease_db: str) -> None:
 
 
 def test_wait__published_by_name__raises_at_once(
-    web: tuple[Celery, Celery, Broker],  # noqa: F811 (the fixture)
+    web: tuple[Celery, Celery, Broker],
     lease_db: str,
 ) -> None:
     publisher, _worker, _broker = web

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,20 +158,6 @@ class Broker:
         sent = self.sent(name)
         assert len(sent) == 1, f"{name} was sent {len(sent)} times: {sent}"
         return sent[0]
-
-
-@pytest.fixture
-def broker(lease_db: str) -> Iterator[Broker]:
-    app = make_app()
-    recorded = Broker(app)
-    signals.before_task_publish.connect(recorded.record, weak=False)
-    GATES.clear()
-    FAILING.clear()
-    RUNS.clear()
-    yield recorded
-    signals.before_task_publish.disconnect(recorded.record)
-    for gate in GATES.values():
-        gate.set()
 
 
 def deliver(app: Celery, message: tuple[dict[str, Any], Any]) -> Any:

@@ -11,16 +11,14 @@ task plainly and fences it through the same setting. Messages are captured with
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery, signals, states
+from celery import Celery, states
 from celery.exceptions import AlwaysEagerIgnored
 from django.db import transaction
 from kombu.exceptions import OperationalError as BrokerDown
 
-from celery_fenced import hooks
 from celery_fenced.keys import KEY_HEADER, default_key
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
@@ -72,19 +70,6 @@ def worker_app() -> Celery:
         return "pong"
 
     return app
-
-
-@pytest.fixture
-def web(lease_db: str) -> Iterator[tuple[Celery, Celery, Broker]]:
-    """(the web process's app, the worker's app, what reached the broker). Both exist when
-    Django loads celery_fenced, as a project's Celery app does."""
-    publisher, worker = configured("web"), worker_app()
-    hooks.fence_in_every_process()  # what celery_fenced's AppConfig.ready() does
-    recorded = Broker(publisher)
-    signals.before_task_publish.connect(recorded.record, weak=False)
-    RUNS.clear()
-    yield publisher, worker, recorded
-    signals.before_task_publish.disconnect(recorded.record)
 
 
 def rows(alias: str) -> list[tuple[str, str, str]]:
