@@ -35,7 +35,9 @@ pytestmark = [
 
 @pytest.fixture
 def alias(alias_with_mariadb: str) -> str:
-    """SQLite, PostgreSQL and MariaDB."""
+    """SQLite, PostgreSQL and MariaDB. A test marked ``parametrize("alias", ["postgres"])``
+    runs on PostgreSQL alone: what it shows is the workers' and the broker's, while the
+    SQL under it runs on all three in the integration layer."""
     return alias_with_mariadb
 
 
@@ -107,6 +109,7 @@ def test_waited_for_before_the_commit__raises_at_once_then_after_it_gets_the_res
     assert result.get(timeout=90)["marker"] == "waited"
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_published_while_the_broker_is_down__runs_once_when_it_is_back(
     lease_db: str, start_worker: Any, publisher: Any, broker: str
 ) -> None:
@@ -132,6 +135,7 @@ def test_published_while_the_broker_is_down__runs_once_when_it_is_back(
     assert not PendingJob.objects.using(lease_db).exists()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_broker_emptied_mid_run__every_job_completes_exactly_once(
     lease_db: str, start_worker: Any, publisher: Any, settings: Any, broker: str
 ) -> None:
@@ -163,6 +167,7 @@ def test_broker_emptied_mid_run__every_job_completes_exactly_once(
     assert not PendingJob.objects.using(lease_db).filter(task_id__in=ids).exists()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_plain_callback_lost_in_the_broker__sent_again_and_runs_once(
     lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any, broker: str
 ) -> None:
@@ -200,6 +205,7 @@ def test_plain_callback_lost_in_the_broker__sent_again_and_runs_once(
         worker.stop()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_plain_chord_member_expired_in_a_backlog__the_chord_body_still_settles(
     lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
 ) -> None:
@@ -262,6 +268,7 @@ def test_plain_chord_member_expired_in_a_backlog__the_chord_body_still_settles(
         worker.stop()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
     lease_db: str, start_worker: Any, publisher: Any, tmp_path: Any
 ) -> None:
@@ -299,6 +306,7 @@ def test_until_done__copies_while_it_runs_queue_nothing_then_a_new_call_queues(
 
 
 @pytest.mark.parametrize("serializer", ["json", "pickle"])
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_until_done__a_job_with_a_tuple_argument_ends_and_the_next_call_queues(
     lease_db: str, start_worker: Any, publisher: Any, serializer: str
 ) -> None:
@@ -323,6 +331,7 @@ def test_until_done__a_job_with_a_tuple_argument_ends_and_the_next_call_queues(
     assert not LeaseEvent.objects.using(lease_db).filter(kind="deduplicated").exists()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_replace_with_the_same_signature__every_poll_runs_and_the_chain_goes_on(
     lease_db: str, start_worker: Any, publisher: Any
 ) -> None:
@@ -349,6 +358,7 @@ def test_replace_with_the_same_signature__every_poll_runs_and_the_chain_goes_on(
     assert not LeaseEvent.objects.using(lease_db).filter(kind="duplicate").exists()
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_group_and_chord_of_fenced_jobs__joined_and_restored_by_the_apps_result_classes(
     lease_db: str, start_worker: Any, publisher: Any
 ) -> None:

@@ -24,7 +24,9 @@ pytestmark = [
 
 @pytest.fixture
 def alias(alias_with_mariadb: str) -> str:
-    """SQLite, PostgreSQL and MariaDB."""
+    """SQLite, PostgreSQL and MariaDB. A test marked ``parametrize("alias", ["postgres"])``
+    runs on PostgreSQL alone: what it shows is the workers' and the broker's, while the
+    SQL under it runs on all three in the integration layer."""
     return alias_with_mariadb
 
 
@@ -77,6 +79,7 @@ def test_fenced_task__forged_token_header_is_ignored(alias: str, start_worker: A
 
 
 @pytest.mark.parametrize("mode", ["base_class", "config"])
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_pause_past_ttl__holder_learns_lost_and_next_grant_is_token_plus_one(
     alias: str, start_worker: Any, mode: str
 ) -> None:
@@ -175,6 +178,7 @@ def test_pause_past_ttl__lost_event_says_what_is_known_not_a_database_outage(
 
 
 @pytest.mark.parametrize("mode", ["base_class", "config"])
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_fenced_out_run__one_warning_and_no_error_or_traceback(
     alias: str, start_worker: Any, mode: str
 ) -> None:
@@ -235,6 +239,7 @@ def _try_acquire(acquire: Any, key: str, alias: str) -> Any:
 
 
 @pytest.mark.parametrize("policy", ["retry", "skip", "fail"])
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_busy_policy__second_delivery_of_a_held_key(
     alias: str, start_worker: Any, policy: str
 ) -> None:
@@ -265,6 +270,7 @@ def test_busy_policy__second_delivery_of_a_held_key(
         assert Lease.objects.using(alias).get(key="job:j").token == 1
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_warm_shutdown__finishes_and_releases(alias: str, start_worker: Any) -> None:
     worker = start_worker("a")
     task_id = send(PROBE, queue=start_worker.queue, kwargs={"seconds": 2})
@@ -291,6 +297,7 @@ def test_sigkill__lease_expires_and_next_grant_is_token_plus_one(
     assert Lease.objects.using(alias).get(key="job:k").reclaimed_from.startswith("a-")
 
 
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_completed_duplicate__redelivered_message_does_not_run_again(
     alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:
@@ -324,6 +331,7 @@ def test_completed_duplicate__redelivered_message_does_not_run_again(
         ({EFFECT: {"colour": "red"}}, "unknown option(s) 'colour'"),
     ],
 )
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_worker_start__invalid_settings_stop_the_worker_naming_them(
     alias: str, tmp_path: Any, tasks_json: dict[str, Any], message: str
 ) -> None:
@@ -411,6 +419,7 @@ def test_pause_past_ttl_without_successor__job_retried_and_completes(
         ("hard_time_limit", PROBE + "_own_request"),
     ],
 )
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_execution_ended_by_the_worker__grant_released_at_once(
     alias: str, start_worker: Any, ending: str, task: str
 ) -> None:
@@ -504,6 +513,7 @@ def test_two_workers_of_one_node_name__a_report_by_the_others_pid_ends_no_grant(
 # consumer_timeout would close the channel instead, and Celery stops the worker on that
 # (test_rabbitmq_workers.py has RabbitMQ's redeliveries)
 @pytest.mark.broker("redis")
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_jobs_queued_on_one_key__each_body_runs_once_through_busy_retries_and_redelivery(
     alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:

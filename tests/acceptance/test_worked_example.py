@@ -27,15 +27,11 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def alias(alias_with_mariadb: str) -> str:
-    """SQLite, PostgreSQL and MariaDB."""
-    return alias_with_mariadb
-
-
 TASK = "testproject.demo.tasks.rebuild_report_short"  # lease_ttl=2
 
 
+# the fencing under it runs on all three databases in tests/integration/test_seams.py
+@pytest.mark.parametrize("alias", ["postgres"])
 def test_worked_example__stale_worker_is_fenced_out(
     alias: str, start_worker: Any, redelivery_after: Any
 ) -> None:
