@@ -6,6 +6,7 @@ The fixtures its modules share are here (never imported from a test module).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from celery import Celery, signals
@@ -14,7 +15,7 @@ from django.test import Client
 
 from celery_fenced import hooks
 from tests.conftest import require_servers
-from tests.integration import test_sending
+from tests.integration import test_job_identity, test_sending
 from tests.integration.test_seams import FAILING, GATES, RUNS, Broker, make_app
 
 
@@ -64,3 +65,20 @@ def login(client: Client) -> Callable[..., Client]:
         return client
 
     return log_in
+
+
+@pytest.fixture
+def capture() -> Iterator[Any]:
+    """``capture(app)``: a :class:`Broker` recording what ``app`` publishes."""
+    brokers: list[Broker] = []
+
+    def start(app: Celery) -> Broker:
+        recorded = Broker(app)
+        signals.before_task_publish.connect(recorded.record, weak=False)
+        brokers.append(recorded)
+        return recorded
+
+    test_job_identity.RUNS.clear()
+    yield start
+    for recorded in brokers:
+        signals.before_task_publish.disconnect(recorded.record)

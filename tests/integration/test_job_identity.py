@@ -10,11 +10,11 @@ in-memory broker, captured with ``before_task_publish``, and delivered to
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from celery import Celery, chain, chord, signals
+from celery import Celery, chain, chord
 from django_celery_results.models import TaskResult
 
 from celery_fenced import FencedTask
@@ -71,23 +71,6 @@ def make_app(serializer: str = "json") -> Celery:
         return list(values)
 
     return app
-
-
-@pytest.fixture
-def capture() -> Iterator[Any]:
-    """``capture(app)``: a :class:`Broker` recording what ``app`` publishes."""
-    brokers: list[Broker] = []
-
-    def start(app: Celery) -> Broker:
-        recorded = Broker(app)
-        signals.before_task_publish.connect(recorded.record, weak=False)
-        brokers.append(recorded)
-        return recorded
-
-    RUNS.clear()
-    yield start
-    for recorded in brokers:
-        signals.before_task_publish.disconnect(recorded.record)
 
 
 def runs(name: str) -> list[Any]:

@@ -16,11 +16,8 @@ from celery_fenced import FencedTask
 from celery_fenced.keys import KEY_HEADER
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from tests.conftest import WITH_MARIADB
-from tests.integration import test_job_identity
 from tests.integration.test_job_identity import RUNS, deliver_all, make_app, runs, status
 from tests.integration.test_seams import deliver
-
-capture = test_job_identity.capture  # the fixture
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
