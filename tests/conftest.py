@@ -1,6 +1,7 @@
 """Shared fixtures: every database test runs on SQLite *and* PostgreSQL.
 
-The tests are in three layers: ``unit`` (no database, broker or process: runs anywhere),
+The tests are in three layers: ``unit`` (no server, broker or process: runs anywhere, on
+SQLite at most; ``pytest tests/unit`` needs no ``FENCED_*`` variable),
 ``integration`` (the real databases, SQLite and PostgreSQL, through Celery's tracer and the
 real backend; no worker process) and ``acceptance`` (real ``celery worker`` processes on
 Redis and RabbitMQ, the browser, the wheel, the demo, the chaos runner).
