@@ -113,6 +113,7 @@ class GrantReads:
         self.now = now
 
     def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
+        """``(key, token, owner, live)`` of every unreleased grant held for ``task_id``."""
         now = self.now()
         return [
             (key, token, owner, expires_at > now)
@@ -122,6 +123,7 @@ class GrantReads:
         ]
 
     def expired_unclaimed(self, key: str, token: int) -> bool:
+        """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
         return (
             Lease._default_manager.using(self.alias)
             .filter(key=key, token=token, released_at__isnull=True, expires_at__lte=self.now())
@@ -141,6 +143,7 @@ class Claims:
     def expired_unfinished(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
     ) -> list[Claim]:
+        """What a claim would take now (:func:`claimable`), claiming nothing."""
         now = self.now()
         rows = (
             Lease._default_manager.using(self.alias)
@@ -159,6 +162,7 @@ class Claims:
         ]
 
     def unclaim(self, claim: Claim) -> bool:
+        """Undo a claim whose job was not sent (or was revoked): the next sweep tries again."""
         # an abandoned claim too (an expired job's, whose REVOKED could not be recorded:
         # it is revoked, not abandoned); its re-send count was not raised
         resent = Q(reclaim_state=ReclaimState.RESENT)
@@ -178,6 +182,7 @@ class Claims:
         )
 
     def abandon(self, claim: Claim, reason: str) -> bool:
+        """Abandon a claimed lease whose job cannot be sent again, with its event."""
         with transaction.atomic(using=self.alias):
             updated = (
                 Lease._default_manager.using(self.alias)
@@ -198,6 +203,7 @@ class Claims:
         return bool(updated)
 
     def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
+        """The ``resent`` event of a claim whose job was sent again."""
         self.events.add(
             claim.lease_id, Kind.RESENT, claim.token, claim.task_id, claim.owner, None, detail
         )

@@ -12,6 +12,7 @@ from celery_fenced.store.types import COMPLETED_STATES, Claim, Delivery, Holder
 
 
 def aware(value: Any) -> dt.datetime:
+    """A timestamp the database returned, as an aware datetime (naive ones are UTC)."""
     if isinstance(value, str):
         parsed = parse_datetime(value)
         if parsed is None:  # pragma: no cover - the database wrote it
@@ -24,10 +25,12 @@ def aware(value: Any) -> dt.datetime:
     return value
 
 
+#: the reason of an abandon at the maximum number of re-sends
 TOO_MANY = "the job expired unfinished after the maximum number of re-sends"
 
 
 def abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
+    """The detail of the ``abandoned`` event of a claim at ``max_attempts``."""
     return {
         "task": claim.task_name,
         "attempts": claim.attempts,
@@ -51,6 +54,7 @@ def completes(state: str, delivery: Delivery | None) -> bool:
 
 
 def holder_of(rows: Sequence[Sequence[Any]]) -> Holder:
+    """The holder of a busy key from its ``(token, owner, expires_at, remaining)`` row."""
     if not rows:
         # The row was released between the two statements: report a zero wait.
         return Holder(0, "", dt.datetime.now(dt.timezone.utc), 0.0)
