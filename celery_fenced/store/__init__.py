@@ -3,7 +3,8 @@
 Acquire, renew, release, force-release and guard, and the named operations the rest of
 the package needs (prove a result write, renew many, claim expired grants, record a
 duplicate). Its dialects (:mod:`celery_fenced.store.dialects`) are private to it; a test
-(``tests/unit/test_boundaries.py``) checks that nothing else imports them.
+(``tests/unit/test_boundaries.py``) checks that nothing else imports them. The values it
+takes and returns are in :mod:`celery_fenced.store.types`.
 
 Usable without Celery::
 
@@ -15,7 +16,6 @@ Usable without Celery::
 
 from __future__ import annotations
 
-from celery_fenced.store.dialects.records import REPLACED, RESULT_COLUMNS, Claim, Delivery
 from celery_fenced.store.fenced import (
     Refused,
     fenced_transaction,
@@ -46,7 +46,6 @@ from celery_fenced.store.grants import (
 from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many, unrenewed
 from celery_fenced.store.outbox import (
     Due,
-    Pending,
     abandon_pending,
     claim_due,
     delete_abandoned_before,
@@ -72,6 +71,7 @@ from celery_fenced.store.reclaiming import (
     record_resent,
     unclaim,
 )
+from celery_fenced.store.types import REPLACED, RESULT_COLUMNS, Claim, Delivery, Pending
 from celery_fenced.store.validation import (
     database_alias,
     default_owner,

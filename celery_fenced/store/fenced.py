@@ -16,7 +16,7 @@ from celery_fenced.context import _guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import RESULT_ROW_KNOWN
+from celery_fenced.store.dialects.tables import RESULT_ROW_KNOWN
 from celery_fenced.store.validation import database_alias
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def released_as(lease: HeldLease, status: str) -> bool:
 
 def writes_result_in_release(alias: str) -> bool:
     """Whether a success's result row can be written by the statement that releases."""
-    return RESULT_ROW_KNOWN and dialects.for_alias(alias).RELEASES_WITH_RESULT
+    return RESULT_ROW_KNOWN and dialects.releasing_with_result(alias) is not None
 
 
 def release_with_result(
@@ -240,13 +240,14 @@ def release_with_result(
     """Prove ``lease`` current, release it in ``status`` and write its task's result row.
 
     One statement (see :func:`writes_result_in_release`); ``row`` holds the values of
-    :data:`~celery_fenced.store.dialects.records.RESULT_COLUMNS`. Returns ``(ok, the key's
+    :data:`~celery_fenced.store.types.RESULT_COLUMNS`. Returns ``(ok, the key's
     current token)``; refused, nothing is written. ``connection``: the connection to send
     it on (default: Django's for the lease's alias).
     """
-    return dialects.for_alias(lease.alias, connection=connection).release_with_result(
-        lease.ending(status), row
-    )
+    dialect = dialects.releasing_with_result(lease.alias, connection=connection)
+    if dialect is None:
+        raise NotImplementedError(f"the database {lease.alias!r} writes the result apart")
+    return dialect.release_with_result(lease.ending(status), row)
 
 
 def lock_for_result(alias: str, task_id: str) -> None:

@@ -15,15 +15,9 @@ from celery_fenced import conf, signals
 from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import (
-    Completed,
-    Delivery,
-    Grant,
-    GrantRequest,
-    Holder,
-)
 from celery_fenced.store.held import HeldLease
 from celery_fenced.store.outbox import forget_pending, mark_ended
+from celery_fenced.store.types import Completed, Delivery, Grant, GrantRequest, Holder
 from celery_fenced.store.validation import (
     database_alias,
     default_owner,

@@ -14,8 +14,8 @@ from celery_fenced import metrics, signals
 from celery_fenced.exceptions import LeaseLost
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import Delivery, Ending, Renewal
 from celery_fenced.store.fenced import fenced_transaction, time_limited
+from celery_fenced.store.types import Delivery, Ending, Renewal
 
 logger = logging.getLogger("celery_fenced.store")
 

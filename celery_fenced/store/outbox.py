@@ -15,8 +15,7 @@ from django.db.models.functions import Coalesce, Greatest, Now
 
 from celery_fenced.models import Completion, PendingJob
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import Delivery
-from celery_fenced.store.dialects.records import Pending as Pending
+from celery_fenced.store.types import Delivery, Pending
 from celery_fenced.tables import tables_required
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.records import Claim
+from celery_fenced.store.types import Claim
 
 
 def claim_expired(

@@ -97,7 +97,7 @@ def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> Non
     grant does not end the first's row, and a report of one never ends the other's grant."""
     from celery_fenced import acquire, store
     from celery_fenced.models import PendingJob
-    from celery_fenced.store.dialects.records import Pending
+    from celery_fenced.store.types import Pending
 
     def pending(task_id: str) -> Pending:
         return Pending(

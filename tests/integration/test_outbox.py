@@ -720,7 +720,7 @@ def test_two_copies_recorded_at_once__the_later_replaces_the_row_without_error(
     from django.db.models.query import QuerySet
 
     from celery_fenced.store.dialects import for_alias
-    from celery_fenced.store.dialects.records import Pending
+    from celery_fenced.store.types import Pending
 
     if lease_db == "default":
         pytest.skip("SQLite has one writer: the second copy's update waits for the first")

@@ -27,7 +27,7 @@ from celery_fenced import (
 from celery_fenced.exceptions import AlreadyCompleted, InvalidLeaseKey
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects import Delivery
+from celery_fenced.store.types import Delivery
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB
 from tests.integration.test_admin import CHANGELIST, OPERATOR
@@ -248,7 +248,7 @@ def test_grant_whose_snapshot_sees_a_release__starts_after_that_release(settings
     must not then start before that release, or the key's history has one grant more
     than its limit current at once (the short chaos run on RabbitMQ: three on a limit of
     two)."""
-    from celery_fenced.store.dialects.records import PENDING
+    from celery_fenced.store.dialects.tables import PENDING
     from tests.conftest import side_connection, wait_until_blocked
 
     settings.CELERY_FENCED_EVENTS = "all"  # the grant's event too

@@ -20,16 +20,9 @@ from celery_fenced import (
 )
 from celery_fenced import signals as fenced_signals
 from celery_fenced.models import Completion, Lease, LeaseEvent
-from celery_fenced.store.dialects import (
-    Completed,
-    Delivery,
-    Dialect,
-    Ending,
-    Grant,
-    GrantRequest,
-    for_alias,
-)
+from celery_fenced.store.dialects import Dialect, for_alias
 from celery_fenced.store.dialects.sqlite import SQLite
+from celery_fenced.store.types import Completed, Delivery, Ending, Grant, GrantRequest
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB, wait_until_blocked
 
@@ -566,7 +559,7 @@ def test_acquire__completion_older_than_the_duplicate_window_is_not_a_duplicate(
 def test_acquire__completed_duplicate_of_a_held_key_is_a_duplicate_not_busy(
     alias: str, portable: bool
 ) -> None:
-    from celery_fenced.store.dialects import Holder
+    from celery_fenced.store.types import Holder
 
     completion(alias, delivery(), key="job")
     dialect = for_alias(alias, portable=portable)

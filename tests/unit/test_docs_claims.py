@@ -282,7 +282,7 @@ def test_docs_claims__pruning_events_never_lets_a_job_run_again() -> None:
 
     readers = [
         orm.ORMDialect.completed,
-        permits.PermitGrants._permit_completed,
+        permits.PermitGranter._completed,
         sql.SQLDialect.completed,
         sql.SQLDialect._completed_sql,
         sql.SQLDialect._marked_sql,

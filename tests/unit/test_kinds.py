@@ -63,17 +63,17 @@ def test_timeline__draws_a_mark_for_each_kind_that_has_one() -> None:
 def test_sql_literals__are_the_enums_values() -> None:
     """The dialects' SQL writes kinds and states as literals: each is the enum's value."""
     from celery_fenced.models import ReclaimState
-    from celery_fenced.store.dialects import records
+    from celery_fenced.store.dialects import tables
 
     Kind = LeaseEvent.Kind
     literals = {
-        records.SQL_ACQUIRED: Kind.ACQUIRED,
-        records.SQL_RECLAIMED: Kind.RECLAIMED,
-        records.SQL_RELEASED: Kind.RELEASED,
-        records.SQL_BUSY: Kind.BUSY,
-        records.SQL_FORCE_RELEASED: Kind.FORCE_RELEASED,
-        records.SQL_STATE_RESENT: ReclaimState.RESENT,
+        tables.SQL_ACQUIRED: Kind.ACQUIRED,
+        tables.SQL_RECLAIMED: Kind.RECLAIMED,
+        tables.SQL_RELEASED: Kind.RELEASED,
+        tables.SQL_BUSY: Kind.BUSY,
+        tables.SQL_FORCE_RELEASED: Kind.FORCE_RELEASED,
+        tables.SQL_STATE_RESENT: ReclaimState.RESENT,
     }
     assert all(literal == f"'{value.value}'" for literal, value in literals.items())
-    assert f"'{Kind.ABANDONED.value}'" == records.SQL_ABANDONED
-    assert f"'{ReclaimState.ABANDONED.value}'" == records.SQL_STATE_ABANDONED
+    assert f"'{Kind.ABANDONED.value}'" == tables.SQL_ABANDONED
+    assert f"'{ReclaimState.ABANDONED.value}'" == tables.SQL_STATE_ABANDONED

@@ -1,41 +1,39 @@
-"""The lease store's SQL: one implementation per database family (private to the store).
+"""The lease store's SQL: one class per database family (private to the store).
 
-PostgreSQL does each operation, event included, in one statement (a data-modifying CTE);
-SQLite does the state change in one ``INSERT … ON CONFLICT … DO UPDATE … WHERE …
-RETURNING`` and writes the event in the same transaction; MariaDB and MySQL take the
-portable dialect with their own SQL where one statement does the work of several; any
-other database gets the portable dialect: transactions with row locks through the ORM.
+Each implements :class:`~.interface.Dialect`. PostgreSQL does each operation, event
+included, in one statement (a data-modifying CTE); SQLite does the state change in one
+``INSERT … ON CONFLICT … DO UPDATE … WHERE … RETURNING`` and writes the event in the
+same transaction; MariaDB and MySQL take the portable dialect with their own SQL where
+one statement does the work of several; any other database gets the portable dialect:
+transactions with row locks through the ORM. The bookkeeping every database does the
+same way (pending rows, events, the reclaimer's claims, permits) is in helpers the
+classes compose (:mod:`.pending`, :mod:`.bookkeeping`, :mod:`.permits`).
 :data:`VENDORS` maps a Django database vendor to its dialect.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from celery_fenced.store.dialects.base import Dialect
+from celery_fenced.store.dialects.base import DialectBase
+from celery_fenced.store.dialects.interface import Dialect, ReleasesWithResult
 from celery_fenced.store.dialects.mysql import MySQL
 from celery_fenced.store.dialects.orm import ORMDialect
 from celery_fenced.store.dialects.postgresql import PostgreSQL
-from celery_fenced.store.dialects.records import (
-    EVENT,
-    LEASE,
-    Claim,
-    Completed,
-    Delivery,
-    Ending,
-    Grant,
-    GrantRequest,
-    Holder,
-    Renewal,
-)
-from celery_fenced.store.dialects.shared import PortableOperations
 from celery_fenced.store.dialects.sql import SQLDialect
 from celery_fenced.store.dialects.sqlite import SQLite
+from celery_fenced.store.dialects.tables import EVENT, LEASE
 
 #: Django's ``connection.vendor`` → the dialect of that database family; any other
 #: vendor gets :class:`ORMDialect`
-VENDORS: dict[str, type[Dialect]] = {"mysql": MySQL, "postgresql": PostgreSQL, "sqlite": SQLite}
+VENDORS: dict[str, Callable[[str, BaseDatabaseWrapper | None], Dialect]] = {
+    "mysql": MySQL,
+    "postgresql": PostgreSQL,
+    "sqlite": SQLite,
+}
 
 
 def for_alias(
@@ -50,24 +48,27 @@ def for_alias(
     return VENDORS.get(connections[alias].vendor, ORMDialect)(alias, connection)
 
 
+def releasing_with_result(
+    alias: str, *, connection: BaseDatabaseWrapper | None = None
+) -> ReleasesWithResult | None:
+    """The dialect of ``alias`` if it writes a success's result row in the releasing
+    statement (PostgreSQL); None where the result is written apart."""
+    dialect = for_alias(alias, connection=connection)
+    return dialect if isinstance(dialect, PostgreSQL) else None
+
+
 __all__ = [
     "EVENT",
     "LEASE",
     "VENDORS",
-    "Claim",
-    "Completed",
-    "Delivery",
     "Dialect",
-    "Ending",
-    "Grant",
-    "GrantRequest",
-    "Holder",
+    "DialectBase",
     "MySQL",
     "ORMDialect",
-    "PortableOperations",
     "PostgreSQL",
-    "Renewal",
+    "ReleasesWithResult",
     "SQLDialect",
     "SQLite",
     "for_alias",
+    "releasing_with_result",
 ]

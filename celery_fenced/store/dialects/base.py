@@ -1,208 +1,120 @@
-"""What every database gives the store: the operations its dialects implement.
+"""What every dialect class holds: its alias, its connection, and the bookkeeping helpers.
 
-Every expiry decision is made inside a statement with the database's own clock; no
-worker clock is ever compared with ``expires_at``.
+:class:`DialectBase` implements no decision of its own: the operations every database
+does the same way are one-line calls of the helpers it composes (:mod:`.pending`,
+:mod:`.bookkeeping`, :mod:`.permits`). Each database's own operations are in its class.
 """
 
 from __future__ import annotations
 
 import abc
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from celery_fenced.store.dialects.records import (
-    Claim,
-    Completed,
-    Delivery,
-    Ending,
-    Grant,
-    GrantRequest,
-    Holder,
-    Pending,
-    Renewal,
-)
+from celery_fenced.models import Lease
+from celery_fenced.store.dialects import permits
+from celery_fenced.store.dialects.bookkeeping import Claims, Events, GrantReads
+from celery_fenced.store.dialects.pending import Outcome, PendingRows
+from celery_fenced.store.types import Claim, Displaced, GrantRequest, Pending
 
 
-class Dialect(abc.ABC):
-    """The lease store's operations on the database ``alias``."""
+class DialectBase(abc.ABC):
+    """The database ``alias`` (``connection``: one to use instead of Django's) and the
+    helpers every dialect delegates its bookkeeping to."""
+
+    #: the grant of a key (not a permit) inside :meth:`acquire`'s transaction, where the
+    #: dialect grants that way (SQLite, the ORM); PostgreSQL grants in its own statements
+    _grant_in_transaction: Callable[[GrantRequest], Outcome]
 
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
         self.alias = alias
         self._connection = connection
+        self.pending = PendingRows(alias)
+        self.events = Events(alias, self.now)
+        self.grants = GrantReads(alias, self.now)
+        self.claims = Claims(alias, self.now, self.events)
+        self.permits = permits.PermitGranter(
+            alias,
+            self.now,
+            self.events,
+            self.pending,
+            locked_rows=self._locked_rows,
+            next_token=self._permit_token,
+        )
 
     @property
     def connection(self) -> BaseDatabaseWrapper:
+        """The connection the dialect's statements run on."""
         return self._connection if self._connection is not None else connections[self.alias]
 
     @abc.abstractmethod
     def now(self) -> dt.datetime:
         """The database's clock."""
 
-    # -- grants ----------------------------------------------------------------------
-    @abc.abstractmethod
-    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
-        """Grant ``request.key``, or tell who holds it (a ``busy`` event).
+    def acquire(self, request: GrantRequest) -> Outcome:
+        """The grant (a permit's, or :attr:`_grant_in_transaction`'s) and the end of the
+        job's pending row, in one transaction."""
+        grant = self.permits.grant if request.limit is not None else self._grant_in_transaction
+        return self.pending.ending_with_grant(request, grant)
 
-        With a ``request.delivery`` whose job already completed within ``request.window``
-        seconds (see :meth:`completed`) nothing is granted: :class:`Completed`, decided
-        under the lease row's lock, so a completion committing meanwhile is seen.
-        """
+    def _locked_rows(self, keys: list[str]) -> list[Lease]:
+        """The permit rows of ``keys``, locked (MySQL locks them through the key's index)."""
+        return permits.lock_permit_rows(self.alias, keys)
 
-    @abc.abstractmethod
-    def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
-        """Extend every lease in ``leases`` still held; return the new expiry of each."""
+    def _permit_token(self, head: Any, rows: Iterable[Lease]) -> int:
+        """The next token of a key's permits (PostgreSQL takes it from a sequence)."""
+        return permits.next_permit_token(self.alias, head, rows)
 
-    @abc.abstractmethod
-    def release(self, ending: Ending) -> bool:
-        """End the grant if it is still held by its owner; whether it was."""
+    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
+        """See :meth:`.PendingRows.requeue_displaced`."""
+        self.pending.requeue_displaced(previous, by_task_id)
 
-    @abc.abstractmethod
-    def force_release(
-        self, key: str, by: str, task_id: str | None = None, token: int | None = None
-    ) -> tuple[int, str] | None:
-        """End the key's grant (only if it is ``task_id``'s, or ``token``, when given)."""
-
-    # -- fencing ---------------------------------------------------------------------
-    @abc.abstractmethod
-    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
-        """Lock the lease row and tell whether ``token`` is its current, unexpired grant.
-
-        Must run inside a transaction: the lock is held until it ends, so no newer grant
-        can be issued before the caller's writes commit. Returns ``(ok, current_token)``.
-        """
-
-    @abc.abstractmethod
-    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
-        """Prove the token current and end its grant, in one step; ``(ok, current_token)``.
-
-        The key's token, not released — a grant that expired with no successor is still
-        this execution's (nobody holds a newer token). When it holds, the grant is
-        released and its ``released`` event recorded, and the lease row stays locked
-        until the caller's transaction ends: a write that fails after it rolls the
-        release back too. Must run inside a transaction. It takes the task id's result
-        lock (:meth:`lock_for_result`).
-        """
-
-    #: whether :meth:`release_with_result` is available (one statement)
-    RELEASES_WITH_RESULT = False
-
-    def release_with_result(self, ending: Ending, row: Sequence[Any]) -> tuple[bool, int | None]:
-        """:meth:`release_current` and the task's result row, in one statement.
-
-        ``row``: the values of :data:`~celery_fenced.store.dialects.records.RESULT_COLUMNS`.
-        The row is written (inserted, or over the task id's row) only when the release
-        holds, under the task id's result lock. Outside a transaction the statement is
-        its own: one round trip proves, releases, marks the job completed and stores its
-        result. Only where :attr:`RELEASES_WITH_RESULT`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} writes the result apart")
-
-    @abc.abstractmethod
-    def lock_for_result(self, task_id: str) -> None:
-        """Serialize the result writes of ``task_id`` until the transaction ends.
-
-        The fenced write takes it after proving its token; an untokened write takes it
-        before deciding whether it may write, so the decision and the write are atomic.
-        """
-
-    @abc.abstractmethod
-    def is_current(self, key: str, token: int, owner: str) -> bool:
-        """Whether ``token`` is ``key``'s unreleased, unexpired grant held by ``owner``."""
-
-    @abc.abstractmethod
-    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
-        """``(key, token, owner, live)`` of every unreleased grant held for ``task_id``.
-
-        ``live``: not expired by the database's clock.
-        """
-
-    @abc.abstractmethod
-    def expired_unclaimed(self, key: str, token: int) -> bool:
-        """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
-
-    # -- completed duplicates ----------------------------------------------------------
-    @abc.abstractmethod
-    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
-        """Whether ``delivery``'s job completed within the last ``window`` seconds.
-
-        Completed: released as SUCCESS, FAILURE, REPLACED or RETRY under its lease, by a
-        delivery of the same task id and message (``digest``) retried at least as often.
-        A delivery whose ``retries`` is above the completed one's is a retry the body
-        asked for before that execution ended: it is not a duplicate. Read from the lease
-        row's marker (the key's last completed job) and from the ``Completion`` table (the
-        markers of jobs completed before another job completed under the key), never from
-        events: pruning them changes nothing here.
-        """
-
-    # -- reclaim ---------------------------------------------------------------------
-    @abc.abstractmethod
-    def claim_expired(
-        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
-    ) -> list[Claim]:
-        """Claim the expired, unfinished grants that have a job to re-send.
-
-        A grant is claimed once per expiry: the claim sets ``reclaim_state``, which only
-        the next grant clears (or ``resend_after`` seconds, when the re-sent job never
-        started). A claim below ``max_attempts`` counts an attempt and is to be re-sent;
-        one at the maximum abandons the lease with an ``abandoned`` event.
-        """
-
-    @abc.abstractmethod
-    def expired_unfinished(
-        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
-    ) -> list[Claim]:
-        """What :meth:`claim_expired` would claim now, claiming nothing (a dry run)."""
-
-    @abc.abstractmethod
-    def unclaim(self, claim: Claim) -> bool:
-        """Undo a claim whose job could not be sent (or, expired, revoked), so that the
-        next sweep tries again."""
-
-    @abc.abstractmethod
-    def abandon(self, claim: Claim, reason: str) -> bool:
-        """Abandon a claimed lease whose job cannot be sent again (e.g. unreadable)."""
-
-    @abc.abstractmethod
-    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
-        """The ``resent`` event of a claim whose job was sent again."""
-
-    # -- the outbox ----------------------------------------------------------------------
-    @abc.abstractmethod
     def record_pending(self, pending: Pending) -> None:
-        """Write (or, for the same task id, start afresh) the pending row of a published job."""
+        """See :meth:`.PendingRows.record`."""
+        self.pending.record(pending)
 
-    @abc.abstractmethod
     def record_unique_pending(self, pending: Pending) -> str:
-        """Record a ``lease_unique`` job unless a copy of its key stands; return the task
-        id of the copy that stands (the job's own when it was recorded)."""
+        """See :meth:`.PendingRows.record_unique`."""
+        return self.pending.record_unique(pending)
 
-    @abc.abstractmethod
     def delete_ended_copies(self) -> int:
-        """Delete the ``until_done`` rows whose run has ended."""
+        """See :meth:`.PendingRows.delete_ended_copies`."""
+        return self.pending.delete_ended_copies()
 
-    @abc.abstractmethod
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str
     ) -> tuple[int | None, str]:
-        """The ``deduplicated`` event of a refused publish; the key's token and owner."""
+        """See :meth:`.Events.record_deduplicated`."""
+        return self.events.record_deduplicated(key, task_name, standing, refused)
 
-    # -- events and sizes ----------------------------------------------------------------
-    @abc.abstractmethod
-    def record_event(
-        self,
-        key: str,
-        kind: str,
-        token: int | None,
-        task_id: str,
-        owner: str,
-        detail: dict[str, Any],
-    ) -> None:
-        """Add an event of ``kind`` to ``key``'s history (nothing if the key has no row)."""
+    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
+        """See :meth:`.GrantReads.task_grants`."""
+        return self.grants.task_grants(task_id)
 
-    @abc.abstractmethod
-    def estimated_rows(self, table: str) -> int | None:
-        """The planner's estimate of ``table``'s size, where the database keeps one."""
+    def expired_unclaimed(self, key: str, token: int) -> bool:
+        """See :meth:`.GrantReads.expired_unclaimed`."""
+        return self.grants.expired_unclaimed(key, token)
+
+    def expired_unfinished(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """See :meth:`.Claims.expired_unfinished`."""
+        return self.claims.expired_unfinished(
+            grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+        )
+
+    def unclaim(self, claim: Claim) -> bool:
+        """See :meth:`.Claims.unclaim`."""
+        return self.claims.unclaim(claim)
+
+    def abandon(self, claim: Claim, reason: str) -> bool:
+        """See :meth:`.Claims.abandon`."""
+        return self.claims.abandon(claim, reason)
+
+    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
+        """See :meth:`.Claims.record_resent`."""
+        self.claims.record_resent(claim, detail)

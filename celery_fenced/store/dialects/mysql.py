@@ -12,7 +12,9 @@ from django.db import transaction
 
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects.orm import ORMDialect
-from celery_fenced.store.dialects.records import EVENT, LEASE, RESULT, Renewal, aware
+from celery_fenced.store.dialects.rows import aware
+from celery_fenced.store.dialects.tables import EVENT, LEASE, RESULT
+from celery_fenced.store.types import Renewal
 
 
 class MySQL(ORMDialect):

@@ -12,7 +12,10 @@ from django.db.models import F
 from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Completion, Lease, LeaseEvent, ReclaimState
-from celery_fenced.store.dialects.records import (
+from celery_fenced.store.dialects.base import DialectBase
+from celery_fenced.store.dialects.bookkeeping import claimable
+from celery_fenced.store.dialects.rows import abandoned_detail, aware, completes, released_detail
+from celery_fenced.store.types import (
     Claim,
     Completed,
     Delivery,
@@ -22,17 +25,12 @@ from celery_fenced.store.dialects.records import (
     GrantRequest,
     Holder,
     Renewal,
-    abandoned_detail,
-    aware,
-    completes,
-    released_detail,
 )
-from celery_fenced.store.dialects.shared import PortableOperations
 
 Kind = LeaseEvent.Kind
 
 
-class ORMDialect(PortableOperations):
+class ORMDialect(DialectBase):
     """The portable dialect: transactions with row locks through the ORM, any database."""
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
@@ -42,7 +40,8 @@ class ORMDialect(PortableOperations):
         first (first grants inserting it at once deadlocked on MariaDB, error 1213)."""
         if not self.connection.in_atomic_block:
             self._placeholder(request.key, request.task_name)
-        return super().acquire(request)
+        grant = self.permits.grant if request.limit is not None else self._grant
+        return self.pending.ending_with_grant(request, grant)
 
     def _placeholder(self, key: str, task_name: str = "") -> None:
         """The key's row, if missing: released, never granted (token 0), so the grant's
@@ -99,7 +98,8 @@ class ORMDialect(PortableOperations):
             row = cursor.fetchone()
         return aware(row[0])
 
-    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+    def _grant(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """The grant of a key (not a permit), in :meth:`acquire`'s transaction."""
         with transaction.atomic(using=self.alias, savepoint=False):  # acquire's
             manager = Lease._default_manager.using(self.alias)
             row = manager.select_for_update().filter(key=request.key).first()
@@ -123,7 +123,7 @@ class ORMDialect(PortableOperations):
             elif row.permits:  # the head of the key's permits: never granted itself
                 return Holder(row.token, "", row.expires_at, 0.0)
             elif row.released_at is None and row.expires_at > now:
-                self._event(
+                self.events.add(
                     row.pk,
                     Kind.BUSY,
                     row.token,
@@ -171,17 +171,17 @@ class ORMDialect(PortableOperations):
                 )
                 row.refresh_from_db(fields=["token"])
             if reclaimed_from:
-                self._requeue_displaced(displaced, request.task_id)
+                self.pending.requeue_displaced(displaced, request.task_id)
                 detail = {
                     "previous_owner": reclaimed_from,
                     "previous_token": row.token - 1,
                     "previous_acquired_at": previous_start and previous_start.isoformat(),
                 }
-                self._event(
+                self.events.add(
                     row.pk, Kind.RECLAIMED, row.token, request.task_id, request.owner, now, detail
                 )
             elif request.routine_events:
-                self._event(
+                self.events.add(
                     row.pk, Kind.ACQUIRED, row.token, request.task_id, request.owner, now, {}
                 )
             return Grant(
@@ -255,7 +255,7 @@ class ORMDialect(PortableOperations):
         manager.filter(pk=lease_id).update(**values)
         if ending.routine_events:
             detail = released_detail(state, delivery)
-            self._event(
+            self.events.add(
                 lease_id, Kind.RELEASED, ending.token, ending.task_id, ending.owner, now, detail
             )
 
@@ -275,7 +275,7 @@ class ORMDialect(PortableOperations):
                 return None
             manager.filter(pk=row.pk).update(released_at=now, job=None)
             detail = {"by": by, "acquired_at": row.acquired_at.isoformat()}
-            self._event(
+            self.events.add(
                 row.pk, Kind.FORCE_RELEASED, row.token, row.task_id, row.owner, now, detail
             )
             return row.token, row.owner
@@ -363,7 +363,7 @@ class ORMDialect(PortableOperations):
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
-            eligible = self._eligible(now, grace, resend_after)
+            eligible = claimable(now, grace, resend_after)
             skip = self.connection.features.has_select_for_update_skip_locked
             rows = list(
                 manager.select_for_update(skip_locked=skip)
@@ -381,7 +381,7 @@ class ORMDialect(PortableOperations):
                 claim = Claim.of_lease(row, attempts, state)
                 if not resend:
                     detail = abandoned_detail(claim, max_attempts)
-                    self._event(
+                    self.events.add(
                         row.pk, Kind.ABANDONED, row.token, row.task_id, row.owner, now, detail
                     )
                 claims.append(claim)
@@ -396,14 +396,7 @@ class ORMDialect(PortableOperations):
         owner: str,
         detail: dict[str, Any],
     ) -> None:
-        lease_id = (
-            Lease._default_manager.using(self.alias)
-            .filter(key=key)
-            .values_list("pk", flat=True)
-            .first()
-        )
-        if lease_id is not None:
-            self._event(lease_id, kind, token, task_id, owner, None, detail)
+        self.events.record(key, kind, token, task_id, owner, detail)
 
     def estimated_rows(self, table: str) -> int | None:
         return None

@@ -9,13 +9,14 @@ own expired permit first, then the lowest free number, then a permit row not mad
 unless ``limit`` permits are held already — counting the permits above the limit that
 holders of a larger one still hold, so lowering it grants none above it. PostgreSQL
 grants most permits in one statement first (:mod:`.postgresql`); this is its slow path.
+:class:`PermitGranter` is the helper every dialect calls for it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from django.db import IntegrityError, transaction
 from django.db.models import F
@@ -23,42 +24,38 @@ from django.db.models.functions import Greatest
 
 from celery_fenced import permits
 from celery_fenced.models import Completion, Lease, LeaseEvent
-from celery_fenced.store.dialects.records import (
-    Completed,
-    Delivery,
-    Displaced,
-    Grant,
-    GrantRequest,
-    Holder,
-)
+from celery_fenced.store.dialects.bookkeeping import Clock, Events
+from celery_fenced.store.dialects.pending import PendingRows
+from celery_fenced.store.types import Completed, Delivery, Displaced, Grant, GrantRequest, Holder
 
 Kind = LeaseEvent.Kind
 
 
-class PermitGrants:
-    """The portable grant of a permit; mixed into the dialects' shared operations."""
+class PermitGranter:
+    """Grants permits of the database ``alias`` in the caller's transaction (see the module).
 
-    alias: str
+    ``locked_rows`` and ``next_token``: how the dialect locks permit rows and numbers a
+    grant (the portable ways: :func:`lock_permit_rows`, :func:`next_permit_token`).
+    """
 
-    def now(self) -> dt.datetime:
-        raise NotImplementedError
-
-    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
-        raise NotImplementedError
-
-    def _event(
+    def __init__(
         self,
-        lease_id: int,
-        kind: str,
-        token: int | None,
-        task_id: str,
-        owner: str,
-        at: dt.datetime | None,
-        detail: dict[str, Any],
+        alias: str,
+        now: Clock,
+        events: Events,
+        pending: PendingRows,
+        *,
+        locked_rows: Callable[[list[str]], list[Lease]],
+        next_token: Callable[[Lease, Iterable[Lease]], int],
     ) -> None:
-        raise NotImplementedError
+        self.alias = alias
+        self.now = now
+        self.events = events
+        self.pending = pending
+        self.locked_rows = locked_rows
+        self.next_token = next_token
 
-    def _permit_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+    def grant(self, request: GrantRequest) -> Grant | Holder | Completed:
         """Grant one of ``request.limit`` permits of ``request.key`` (see the module)."""
         assert request.limit is not None
         limit, key = request.limit, request.key
@@ -67,22 +64,20 @@ class PermitGrants:
         if isinstance(head, Holder):
             return head
         names = [permits.permit_key(key, i) for i in range(max(head.permits, limit))]
-        found = {row.key: row for row in self._locked_rows(names)}
+        found = {row.key: row for row in self.locked_rows(names)}
         # the clock once the permit rows are locked: a release this transaction waited
         # for came before the grant, in the key's history too
         now = self.now()
         delivery = request.delivery
         # the key's own row too: a job completed there before the key had permits
-        if delivery is not None and self._permit_completed(
-            [key, *names], delivery, request.window
-        ):
+        if delivery is not None and self._completed([key, *names], delivery, request.window):
             return Completed(request.task_id, delivery.retries)
         held = [row for row in found.values() if _live(row, now)]
         job = permit_job(key, request.task_id)
         mine = [row for row in held if job is not None and row.permit_job == job]
         if len(held) >= limit or mine:  # all taken, or this job runs under another one
             first = mine[0] if mine else min(held, key=lambda row: row.expires_at)
-            self._event(
+            self.events.add(
                 head.pk,
                 Kind.BUSY,
                 first.token,
@@ -107,16 +102,16 @@ class PermitGrants:
         missing = [name for name in names[:limit] if name not in found]
         if missing:  # made once, never granted: later grants find them free
             rows.bulk_create([_free_row(name, request.task_name, now) for name in missing])
-            found.update((row.key, row) for row in self._locked_rows(missing))
+            found.update((row.key, row) for row in self.locked_rows(missing))
         row = _choose(found, names[:limit], job, now)
         assert row is not None  # fewer than limit held: one of the first limit is free
         try:  # a delivery of the same job granted another permit meanwhile (PostgreSQL)
             with transaction.atomic(using=self.alias):
-                token = self._permit_token(head, found.values())
+                token = self.next_token(head, found.values())
                 reclaimed_from = row.owner if row.released_at is None else ""
                 same_job = row.released_at is None and row.task_id == request.task_id != ""
                 if reclaimed_from:
-                    self._requeue_displaced(
+                    self.pending.requeue_displaced(
                         Displaced(
                             row.key,
                             row.task_id,
@@ -161,18 +156,14 @@ class PermitGrants:
                 "previous_token": row.token,
                 "previous_acquired_at": previous_start.isoformat(),
             }
-            self._event(row.pk, Kind.RECLAIMED, token, request.task_id, request.owner, now, detail)
+            self.events.add(
+                row.pk, Kind.RECLAIMED, token, request.task_id, request.owner, now, detail
+            )
         if not reclaimed_from and request.routine_events:
-            self._event(row.pk, Kind.ACQUIRED, token, request.task_id, request.owner, now, {})
+            self.events.add(row.pk, Kind.ACQUIRED, token, request.task_id, request.owner, now, {})
         expires = now + dt.timedelta(seconds=request.ttl)
         previous = row.expires_at if reclaimed_from else None
         return Grant(row.pk, token, expires, reclaimed_from, None, row.key, previous)
-
-    def _locked_rows(self, keys: list[str]) -> list[Lease]:
-        """The lease rows of ``keys`` that exist, locked until the transaction ends."""
-        return list(
-            Lease._default_manager.using(self.alias).select_for_update().filter(key__in=keys)
-        )
 
     def _head(self, request: GrantRequest) -> Lease | Holder:
         """The key's own row, locked, marked as the head of ``request.limit`` permits (made
@@ -201,7 +192,7 @@ class PermitGrants:
                     head.expires_at,
                     (head.expires_at - now).total_seconds(),
                 )
-            self._requeue_displaced(
+            self.pending.requeue_displaced(
                 Displaced(
                     key,
                     head.task_id,
@@ -218,14 +209,7 @@ class PermitGrants:
             rows.filter(pk=head.pk).update(owner="")
         return head
 
-    def _permit_token(self, head: Lease, rows: Any) -> int:
-        """The next token of the key's permits: above every one issued (the head keeps the
-        last). PostgreSQL: the head's floor plus the next value of a sequence."""
-        token = int(max([head.token, *(row.token for row in rows)])) + 1
-        Lease._default_manager.using(self.alias).filter(pk=head.pk).update(token=token)
-        return token
-
-    def _permit_completed(self, names: list[str], delivery: Delivery, window: float) -> bool:
+    def _completed(self, names: list[str], delivery: Delivery, window: float) -> bool:
         """Whether ``delivery``'s job completed within ``window`` seconds under any permit."""
         since = self.now() - dt.timedelta(seconds=window)
         marked = Lease._default_manager.using(self.alias).filter(
@@ -281,3 +265,16 @@ def _choose(
     if own or free:
         return (own or free)[0]
     return None
+
+
+def lock_permit_rows(alias: str, keys: list[str]) -> list[Lease]:
+    """The lease rows of ``keys`` that exist, locked until the transaction ends."""
+    return list(Lease._default_manager.using(alias).select_for_update().filter(key__in=keys))
+
+
+def next_permit_token(alias: str, head: Lease, rows: Iterable[Lease]) -> int:
+    """The next token of the key's permits: above every one issued (the head keeps the
+    last). PostgreSQL: the head's floor plus the next value of a sequence."""
+    token = int(max([head.token, *(row.token for row in rows)])) + 1
+    Lease._default_manager.using(alias).filter(pk=head.pk).update(token=token)
+    return token

@@ -6,13 +6,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from celery_fenced.store.dialects.records import (
+from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
+from celery_fenced.store.dialects.sql import SQLDialect
+from celery_fenced.store.dialects.tables import (
     COMPLETION,
     EVENT,
     LEASE,
     PENDING,
     RESULT,
-    RESULT_COLUMNS,
     SQL_ABANDONED,
     SQL_ACQUIRED,
     SQL_BUSY,
@@ -22,7 +23,9 @@ from celery_fenced.store.dialects.records import (
     SQL_RESULT_COLUMNS,
     SQL_RESULT_UPDATE,
     SQL_STATE_ABANDONED,
-    TOO_MANY,
+)
+from celery_fenced.store.types import (
+    RESULT_COLUMNS,
     Claim,
     Completed,
     Ending,
@@ -30,11 +33,7 @@ from celery_fenced.store.dialects.records import (
     GrantRequest,
     Holder,
     Pending,
-    aware,
-    holder_of,
-    released_detail,
 )
-from celery_fenced.store.dialects.sql import SQLDialect
 
 #: where permits' tokens come from (migration 0007_permits)
 SEQUENCE = "celery_fenced_permit_token"

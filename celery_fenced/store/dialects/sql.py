@@ -8,24 +8,20 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from celery_fenced.store.dialects.records import (
+from celery_fenced.store.dialects.base import DialectBase
+from celery_fenced.store.dialects.rows import aware, completes
+from celery_fenced.store.dialects.tables import (
     COMPLETION,
     EVENT,
     LEASE,
     PENDING,
     SQL_STATE_ABANDONED,
     SQL_STATE_RESENT,
-    Delivery,
-    GrantRequest,
-    Pending,
-    Renewal,
-    aware,
-    completes,
 )
-from celery_fenced.store.dialects.shared import PortableOperations
+from celery_fenced.store.types import Delivery, GrantRequest, Pending, Renewal
 
 
-class SQLDialect(PortableOperations):
+class SQLDialect(DialectBase):
     """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
 
     NOW: str

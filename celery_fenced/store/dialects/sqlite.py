@@ -8,11 +8,10 @@ from typing import Any
 from django.db import transaction
 
 from celery_fenced.models import LeaseEvent, ReclaimState
-from celery_fenced.store.dialects.records import (
-    COMPLETION,
-    EVENT,
-    LEASE,
-    RESULT,
+from celery_fenced.store.dialects.rows import abandoned_detail, aware, holder_of, released_detail
+from celery_fenced.store.dialects.sql import SQLDialect
+from celery_fenced.store.dialects.tables import COMPLETION, EVENT, LEASE, RESULT
+from celery_fenced.store.types import (
     Claim,
     Completed,
     Displaced,
@@ -20,12 +19,7 @@ from celery_fenced.store.dialects.records import (
     Grant,
     GrantRequest,
     Holder,
-    abandoned_detail,
-    aware,
-    holder_of,
-    released_detail,
 )
-from celery_fenced.store.dialects.sql import SQLDialect
 
 Kind = LeaseEvent.Kind
 

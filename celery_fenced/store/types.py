@@ -1,22 +1,15 @@
-"""What the dialects return and record: grants, holders, claims, event details."""
+"""The values the lease store takes and returns: grants, holders, claims, pending jobs.
+
+Plain frozen dataclasses, read and built by the store's callers (the backend, the
+reclaimer, the outbox) and by its dialects; :mod:`celery_fenced.store` re-exports the ones
+its callers name.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from django.utils.dateparse import parse_datetime
-from django_celery_results.models import TaskResult
-
-from celery_fenced.models import Completion, Lease, LeaseEvent, PendingJob
-
-LEASE = Lease._meta.db_table
-EVENT = LeaseEvent._meta.db_table
-COMPLETION = Completion._meta.db_table
-PENDING = PendingJob._meta.db_table
-RESULT = TaskResult._meta.db_table
 
 #: django-celery-results' result row as a fenced success writes it in the statement that
 #: releases the lease (PostgreSQL): every column but the id, in this order
@@ -37,52 +30,12 @@ RESULT_COLUMNS = (
     "traceback",
     "meta",
 )
-#: the same columns as SQL text (the statements are built from fixed text only), and what
-#: a write over an existing row changes: what ``DatabaseBackend`` writes, not the row's
-#: creation or start time
-SQL_RESULT_COLUMNS = (
-    "task_id, periodic_task_name, task_name, task_args, task_kwargs, status, worker, "
-    "content_type, content_encoding, result, date_created, date_started, date_done, "
-    "traceback, meta"
-)
-SQL_RESULT_UPDATE = (
-    "periodic_task_name = EXCLUDED.periodic_task_name, task_name = EXCLUDED.task_name, "
-    "task_args = EXCLUDED.task_args, task_kwargs = EXCLUDED.task_kwargs, "
-    "status = EXCLUDED.status, worker = EXCLUDED.worker, "
-    "content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding, "
-    "result = EXCLUDED.result, date_done = EXCLUDED.date_done, "
-    "traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"
-)
-
-
-def _result_row_is_known() -> bool:
-    """Whether the installed ``TaskResult`` has exactly :data:`RESULT_COLUMNS`, by name."""
-    fields = [f for f in TaskResult._meta.concrete_fields if not f.primary_key]
-    columns = [f.column for f in fields]
-    return columns == [f.name for f in fields] and sorted(map(str, columns)) == sorted(
-        RESULT_COLUMNS
-    )
-
-
-#: another version of the model (a column added or renamed) is written the general way
-RESULT_ROW_KNOWN = _result_row_is_known()
-
-
-#: the event kinds and reclaim states the SQL dialects write, as SQL literals: written out
-#: (the SQL checker of tests/acceptance/test_security.py accepts only fixed text), and checked
-#: against the model's enums by tests/unit/test_kinds.py
-SQL_ACQUIRED = "'acquired'"
-SQL_RECLAIMED = "'reclaimed'"
-SQL_RELEASED = "'released'"
-SQL_BUSY = "'busy'"
-SQL_FORCE_RELEASED = "'force_released'"
-SQL_ABANDONED = "'abandoned'"
-SQL_STATE_RESENT = "'resent'"
-SQL_STATE_ABANDONED = "'abandoned'"
 
 
 @dataclass(frozen=True)
 class Grant:
+    """A grant made: the lease row, its token and expiry, and whose grant it took over."""
+
     lease_id: int
     token: int
     expires_at: dt.datetime
@@ -97,6 +50,8 @@ class Grant:
 
 @dataclass(frozen=True)
 class Holder:
+    """The grant that holds a busy key: its token, owner, expiry and seconds left."""
+
     token: int
     owner: str
     expires_at: dt.datetime
@@ -113,7 +68,7 @@ class Completed:
 
 @dataclass(frozen=True)
 class Delivery:
-    """What tells one job's deliveries apart from another job's: the completed-duplicate check.
+    """What tells one job's deliveries apart from another job's (completed duplicates).
 
     ``digest`` hashes the task id with the message (task name and arguments), so a task id
     reused for a new job with other arguments is not a duplicate; ``retries`` is the
@@ -234,57 +189,12 @@ class Claim:
 
 @dataclass(frozen=True)
 class Renewal:
+    """One held lease to renew: its key, token and owner, and its new time to live."""
+
     key: str
     token: int
     owner: str
     ttl: float
-
-
-def aware(value: Any) -> dt.datetime:
-    if isinstance(value, str):
-        parsed = parse_datetime(value)
-        if parsed is None:  # pragma: no cover - the database wrote it
-            raise ValueError(f"unparseable timestamp {value!r}")
-        value = parsed
-    if not isinstance(value, dt.datetime):  # pragma: no cover - the database wrote it
-        raise TypeError(f"expected a timestamp, got {value!r}")
-    if value.tzinfo is None:
-        return value.replace(tzinfo=dt.timezone.utc)
-    return value
-
-
-TOO_MANY = "the job expired unfinished after the maximum number of re-sends"
-
-
-def abandoned_detail(claim: Claim, max_attempts: int) -> dict[str, Any]:
-    return {
-        "task": claim.task_name,
-        "attempts": claim.attempts,
-        "max": max_attempts,
-        "reason": TOO_MANY,
-    }
-
-
-def released_detail(state: str, delivery: Delivery | None = None) -> dict[str, Any]:
-    """The detail of a ``released`` event: the final state and the delivery it ended."""
-    detail: dict[str, Any] = {"state": state} if state else {}
-    if delivery is not None:
-        detail["retries"] = delivery.retries
-        detail["digest"] = delivery.digest
-    return detail
-
-
-def completes(state: str, delivery: Delivery | None) -> bool:
-    """Whether a release in ``state`` marks ``delivery``'s job completed."""
-    return delivery is not None and state in COMPLETED_STATES
-
-
-def holder_of(rows: Sequence[Sequence[Any]]) -> Holder:
-    if not rows:
-        # The row was released between the two statements: report a zero wait.
-        return Holder(0, "", dt.datetime.now(dt.timezone.utc), 0.0)
-    token, owner, expires_at, remaining = rows[0]
-    return Holder(token, owner, aware(expires_at), float(remaining))
 
 
 @dataclass(frozen=True)

@@ -1,35 +1,34 @@
-"""Operations every dialect shares: one-row bookkeeping no database does better in SQL."""
+"""The outbox's rows as every dialect keeps them: recorded at publish, ended by the grant.
+
+:class:`PendingRows` writes and ends ``PendingJob`` rows through the ORM: one-row
+bookkeeping no database does better in SQL. The dialects call it; PostgreSQL does the
+common cases in its own statements and comes here for the rare ones.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, When
-from django.db.models.functions import Greatest, Now
+from django.db.models import Exists, OuterRef, Q
+from django.db.models.functions import Now
 
-from celery_fenced.models import Lease, LeaseEvent, PendingJob, ReclaimState
-from celery_fenced.store.dialects.base import Dialect
-from celery_fenced.store.dialects.permits import PermitGrants
-from celery_fenced.store.dialects.records import (
-    Claim,
-    Completed,
-    Displaced,
-    Grant,
-    GrantRequest,
-    Holder,
-    Pending,
-)
+from celery_fenced.models import Lease, PendingJob, ReclaimState
+from celery_fenced.store.types import Completed, Displaced, Grant, GrantRequest, Holder, Pending
 
-Kind = LeaseEvent.Kind
+#: what a grant comes to
+Outcome = Grant | Holder | Completed
 
 
-class PortableOperations(Dialect, PermitGrants):
-    """Operations every dialect takes from here: small reads and one-row updates of the
-    reclaimer's bookkeeping, where a database's own SQL would gain nothing."""
+class PendingRows:
+    """The pending rows (``PendingJob``) of the database ``alias``, through the ORM."""
 
-    def record_pending(self, pending: Pending) -> None:
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    def record(self, pending: Pending) -> None:
         """The outbox's row of a published job, written or replaced (same task id).
 
         Two copies of one job retried at once (a redelivery beside the original) both
@@ -37,7 +36,7 @@ class PortableOperations(Dialect, PermitGrants):
         once the first commits, replaces that row instead.
         """
         values = {
-            **self._pending_values(pending),
+            **self._values(pending),
             "unique_key": None,
             "unique_until": "",
             "started_token": None,
@@ -53,7 +52,7 @@ class PortableOperations(Dialect, PermitGrants):
             except IntegrityError:  # the other copy's row, committed meanwhile
                 rows.update(**values)
 
-    def _pending_values(self, pending: Pending) -> dict[str, Any]:
+    def _values(self, pending: Pending) -> dict[str, Any]:
         countdown = dt.timedelta(seconds=pending.countdown or 0.0)
         eta = pending.eta if pending.eta is not None else Now() + countdown
         expires = pending.expires
@@ -76,20 +75,20 @@ class PortableOperations(Dialect, PermitGrants):
             "nesting": pending.nesting,
         }
 
-    def record_unique_pending(self, pending: Pending) -> str:
+    def record_unique(self, pending: Pending) -> str:
         """The row of a ``lease_unique`` job, unless a copy of its key stands: then
         nothing is written and that copy's task id is returned (else the job's own).
 
         Decided by the database: the unique ``unique_key`` refuses a second row of the
         key (an insert waits for a concurrent one's transaction), and a row that no
         longer stands for a queued or running copy is taken over by one conditional
-        ``UPDATE`` (see :meth:`_ended_copies`). A re-publish of the same job (its retry)
+        ``UPDATE`` (see :meth:`ended_copies`). A re-publish of the same job (its retry)
         keeps its row; if another copy took the key meanwhile, it is recorded without
         the key rather than dropped (a retried job's caller waits on its task id).
         """
         rows = PendingJob._default_manager.using(self.alias)
         values = {
-            **self._pending_values(pending),
+            **self._values(pending),
             "unique_until": pending.unique or "",
             "started_token": None,
         }
@@ -97,7 +96,7 @@ class PortableOperations(Dialect, PermitGrants):
         for _attempt in range(8):
             with transaction.atomic(using=self.alias):
                 # the same job again (its retry, a re-sent step): its row keeps the key,
-                # or takes it if free; a write first (SQLite: see record_deduplicated)
+                # or takes it if free; a write first (SQLite: see Events.record_deduplicated)
                 try:
                     with transaction.atomic(using=self.alias):
                         if rows.filter(task_id=task_id).update(**values, unique_key=key):
@@ -106,7 +105,7 @@ class PortableOperations(Dialect, PermitGrants):
                     if pending.same_job:
                         rows.filter(task_id=task_id).update(**values, unique_key=None)
                         return task_id
-                if self._ended_copies(rows.filter(unique_key=key), pending.unique).update(
+                if self.ended_copies(rows.filter(unique_key=key), pending.unique).update(
                     task_id=task_id, unique_key=key, **values
                 ):
                     return task_id
@@ -119,12 +118,12 @@ class PortableOperations(Dialect, PermitGrants):
                 if found:
                     if not pending.same_job:
                         return str(found[0])
-                    self.record_pending(pending)  # a retry: recorded, without the key
+                    self.record(pending)  # a retry: recorded, without the key
                     return task_id
             # the standing copy ended between the refusal and the read: decide again
         raise IntegrityError(f"could not record the unique job of key {key!r}")
 
-    def _ended_copies(self, rows: Any, unique: str | None) -> Any:
+    def ended_copies(self, rows: Any, unique: str | None) -> Any:
         """Of ``rows``, those that no longer stand for a copy: abandoned, expired, or
         started (``until_done``) under a grant that has ended — released, expired, or
         followed by a newer grant of the key. Read with the statement's snapshot, the
@@ -144,13 +143,13 @@ class PortableOperations(Dialect, PermitGrants):
         return rows.filter(Q(abandoned_at__isnull=False) | expired | started)
 
     def delete_ended_copies(self) -> int:
-        """Delete the ``until_done`` rows whose run has ended (see :meth:`_ended_copies`).
+        """Delete the ``until_done`` rows whose run has ended (see :meth:`ended_copies`).
 
         Rows locked by a transaction in progress are left for the next sweep, not waited
         for (InnoDB's ``DELETE`` locks every row it reads, matching or not): a process
         stopped inside its transaction must not stall the reclaimer."""
         rows = PendingJob._default_manager.using(self.alias).filter(started_token__isnull=False)
-        ended = self._ended_copies(rows, "until_done")
+        ended = self.ended_copies(rows, "until_done")
         orphans = self._delete_orphans(rows)
         if not connections[self.alias].features.has_select_for_update_skip_locked:
             deleted: int = ended.delete()[0]
@@ -188,62 +187,7 @@ class PortableOperations(Dialect, PermitGrants):
             )
         return gone
 
-    def record_deduplicated(
-        self, key: str, task_name: str, standing: str, refused: str
-    ) -> tuple[int | None, str]:
-        """The ``deduplicated`` event of a refused call: on the key's lease row, which
-        is created (token 0, released: never granted) if the standing copy has not
-        started yet. Returns the key's current token (None before any grant) and owner."""
-        leases = Lease._default_manager.using(self.alias)
-        with transaction.atomic(using=self.alias):
-            # the insert first: on SQLite a transaction that reads before it writes
-            # cannot always take the write lock ("database is locked" at once)
-            try:
-                with transaction.atomic(using=self.alias):
-                    lease = leases.create(
-                        key=key,
-                        token=0,
-                        owner="",
-                        task_name=task_name[:255],
-                        acquired_at=Now(),
-                        renewed_at=Now(),
-                        expires_at=Now(),
-                        released_at=Now(),
-                    )
-            except IntegrityError:
-                lease = leases.get(key=key)
-            self._event(
-                lease.pk,
-                Kind.DEDUPLICATED,
-                lease.token or None,
-                standing,
-                "",
-                None,
-                {"refused_task_id": refused, "task_name": task_name},
-            )
-        return lease.token or None, lease.owner
-
-    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
-        """The grant (:meth:`_grant_in_transaction`) and the end of the job's pending row,
-        in one transaction."""
-        with transaction.atomic(using=self.alias):
-            settled = not request.ends_pending or self._pending_before_grant(
-                request.task_id, request.nesting, keep_until_done=request.stamps_started
-            )
-            outcome = (
-                self._grant_in_transaction(request)
-                if request.limit is None
-                else self._permit_in_transaction(request)
-            )
-            if not settled:
-                granted = outcome.token if isinstance(outcome, Grant) else None
-                self._pending_after_grant(request.task_id, request.nesting, granted)
-            return outcome
-
-    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
-        raise NotImplementedError
-
-    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
+    def requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
         """The job of an expired, unfinished grant taken over by another job goes to the
         outbox, due at once (in the grant's transaction): its lease row's recorded job —
         what the reclaimer would send again — is replaced by the new grant's. Its reclaim
@@ -276,12 +220,12 @@ class PortableOperations(Dialect, PermitGrants):
         except IntegrityError:  # recorded meanwhile by its own publish (a retry's)
             pass
 
-    def _pending_before_grant(self, task_id: str, nesting: int, *, keep_until_done: bool) -> bool:
+    def before_grant(self, task_id: str, nesting: int, *, keep_until_done: bool) -> bool:
         """A delivery is granted, busy or a duplicate: its job is no longer pending —
         except, for a ``lease_unique="until_done"`` task (``keep_until_done``), its
-        ``until_done`` row, which :meth:`_pending_after_grant` settles. Returns whether
+        ``until_done`` row, which :meth:`after_grant` settles. Returns whether
         nothing is left to settle. A delivery ends no row of a later replacement of its
-        task (``nesting``: :class:`~.records.Delivery`)."""
+        task (``nesting``: :class:`~celery_fenced.store.types.Delivery`)."""
         rows = PendingJob._default_manager.using(self.alias).filter(
             task_id=task_id, nesting__lte=nesting
         )
@@ -291,7 +235,7 @@ class PortableOperations(Dialect, PermitGrants):
         deleted, _ = rows.exclude(unique_until="until_done").delete()
         return bool(deleted)
 
-    def _pending_after_grant(self, task_id: str, nesting: int, token: int | None) -> None:
+    def after_grant(self, task_id: str, nesting: int, token: int | None) -> None:
         """An ``until_done`` row stays while its grant (``token``) runs; without a grant
         (busy, a duplicate) it ends — unless it has started: then it stands for the
         execution that holds (or held) its grant, not for this delivery (a redelivery of
@@ -304,116 +248,16 @@ class PortableOperations(Dialect, PermitGrants):
         else:
             rows.update(started_token=token)
 
-    def _event(
-        self,
-        lease_id: int,
-        kind: str,
-        token: int | None,
-        task_id: str,
-        owner: str,
-        at: dt.datetime | None,
-        detail: dict[str, Any],
-    ) -> None:
-        LeaseEvent._default_manager.using(self.alias).create(
-            lease_id=lease_id,
-            kind=kind,
-            token=token,
-            task_id=task_id,
-            owner=owner,
-            at=at or self.now(),
-            detail=detail,
-        )
-
-    def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
-        now = self.now()
-        return [
-            (key, token, owner, expires_at > now)
-            for key, token, owner, expires_at in Lease._default_manager.using(self.alias)
-            .filter(task_id=task_id, released_at__isnull=True)
-            .values_list("key", "token", "owner", "expires_at")
-        ]
-
-    def expired_unclaimed(self, key: str, token: int) -> bool:
-        return (
-            Lease._default_manager.using(self.alias)
-            .filter(key=key, token=token, released_at__isnull=True, expires_at__lte=self.now())
-            .exists()
-        )
-
-    def expired_unfinished(
-        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
-    ) -> list[Claim]:
-        now = self.now()
-        rows = (
-            Lease._default_manager.using(self.alias)
-            .filter(self._eligible(now, grace, resend_after))
-            .order_by("expires_at")[:limit]
-        )
-        return [
-            Claim.of_lease(
-                row,
-                min(row.reclaim_attempts + 1, max_attempts),
-                ReclaimState.RESENT
-                if row.reclaim_attempts < max_attempts
-                else ReclaimState.ABANDONED,
-            )
-            for row in rows
-        ]
-
-    @staticmethod
-    def _eligible(now: dt.datetime, grace: float, resend_after: float) -> Q:
-        return Q(
-            released_at__isnull=True,
-            job__isnull=False,
-            expires_at__lt=now - dt.timedelta(seconds=grace),
-        ) & (
-            Q(reclaim_state="")
-            | Q(
-                reclaim_state=ReclaimState.RESENT,
-                reclaim_claimed_at__lt=now - dt.timedelta(seconds=resend_after),
-            )
-        )
-
-    def unclaim(self, claim: Claim) -> bool:
-        # an abandoned claim too (an expired job's, whose REVOKED could not be recorded:
-        # it is revoked, not abandoned); its re-send count was not raised
-        resent = Q(reclaim_state=ReclaimState.RESENT)
-        return bool(
-            Lease._default_manager.using(self.alias)
-            .filter(resent | Q(reclaim_state=ReclaimState.ABANDONED))
-            .filter(pk=claim.lease_id, token=claim.token)
-            .update(
-                # first: MySQL assigns in order, and the condition reads reclaim_state
-                reclaim_attempts=Case(
-                    When(resent, then=Greatest(F("reclaim_attempts") - 1, 0)),
-                    default=F("reclaim_attempts"),
-                    output_field=Lease._meta.get_field("reclaim_attempts"),
-                ),
-                reclaim_state="",
-            )
-        )
-
-    def abandon(self, claim: Claim, reason: str) -> bool:
+    def ending_with_grant(
+        self, request: GrantRequest, grant: Callable[[GrantRequest], Outcome]
+    ) -> Outcome:
+        """``grant(request)`` and the end of the job's pending row, in one transaction."""
         with transaction.atomic(using=self.alias):
-            updated = (
-                Lease._default_manager.using(self.alias)
-                .filter(pk=claim.lease_id, token=claim.token, reclaim_state=ReclaimState.RESENT)
-                .update(reclaim_state=ReclaimState.ABANDONED)
+            settled = not request.ends_pending or self.before_grant(
+                request.task_id, request.nesting, keep_until_done=request.stamps_started
             )
-            if updated:
-                detail = {"task": claim.task_name, "attempts": claim.attempts, "reason": reason}
-                self._event(
-                    claim.lease_id,
-                    Kind.ABANDONED,
-                    claim.token,
-                    claim.task_id,
-                    claim.owner,
-                    None,
-                    detail,
-                )
-        return bool(updated)
-
-    def record_resent(self, claim: Claim, detail: dict[str, Any]) -> None:
-        self._event(
-            claim.lease_id, Kind.RESENT, claim.token, claim.task_id, claim.owner, None, detail
-        )
+            outcome = grant(request)
+            if not settled:
+                granted = outcome.token if isinstance(outcome, Grant) else None
+                self.after_grant(request.task_id, request.nesting, granted)
+            return outcome
