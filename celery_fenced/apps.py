@@ -12,10 +12,10 @@ class CeleryFencedConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from celery_fenced import checks, hooks, metrics
+        from celery_fenced import checks, extras, hooks, metrics
 
         checks.register()
         hooks.connect()
         hooks.fence_in_every_process()
-        if metrics.available():
+        if extras.metrics_installed():
             metrics.connect()

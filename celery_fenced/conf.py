@@ -17,6 +17,7 @@ from typing import Any, cast
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
 
+from celery_fenced import extras
 from celery_fenced.exceptions import FencedConfigurationError
 
 ON_BUSY_CHOICES = ("retry", "skip", "fail")
@@ -137,9 +138,7 @@ def validate_metrics_port(value: object, name: str) -> int | None:
         raise FencedConfigurationError(
             f"{name} must be a TCP port (an integer from 1 to 65535) or None, got {value!r}"
         )
-    from celery_fenced import metrics
-
-    if not metrics.available():
+    if not extras.metrics_installed():
         raise FencedConfigurationError(
             f"{name} needs prometheus_client: pip install 'celery-fenced[metrics]' "
             "(or set it to None)"
