@@ -12,10 +12,10 @@ class CeleryFencedConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from celery_fenced import checks, extras, hooks, metrics
+        from celery_fenced import checks, extras, hooks, lifecycle, metrics
 
         checks.register()
-        hooks.connect()
+        lifecycle.connect()
         hooks.fence_in_every_process()
         if extras.metrics_installed():
             metrics.connect()

@@ -1,6 +1,6 @@
 """Django system checks: misconfiguration is named at start, not on the first task.
 
-``manage.py check`` runs them, and so does every worker at start (:mod:`celery_fenced.hooks`
+``manage.py check`` runs them, and so does every worker at start (:mod:`celery_fenced.lifecycle`
 stops it on an error and logs the warnings). Each message names the setting or the task
 and what would be valid.
 
