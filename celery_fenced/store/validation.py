@@ -9,7 +9,7 @@ import uuid
 
 from django.db import router
 
-from celery_fenced import conf
+from celery_fenced import conf, validators
 from celery_fenced.exceptions import FencedError
 from celery_fenced.keys import check_key
 from celery_fenced.models import OWNER_MAX_LENGTH, Lease
@@ -59,6 +59,6 @@ def validate_owner(owner: object) -> str:
 
 def validate_ttl(ttl: object) -> float:
     try:
-        return conf.validate_ttl(ttl, "ttl")
+        return validators.validate_positive_seconds(ttl, "ttl")
     except FencedError as exc:
         raise ValueError(str(exc)) from None
