@@ -64,7 +64,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'celery_fenced' has no attribute {name!r}")
     import importlib
 
-    from celery_fenced.checks import require_apps
+    from celery_fenced.installed import require_apps
 
     require_apps()  # names both apps, instead of Django's error about a model class
     return getattr(importlib.import_module(module), name)

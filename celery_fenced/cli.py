@@ -14,12 +14,15 @@ from typing import Any
 
 import click
 
-from celery_fenced import commands
+HELP = (
+    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
+    "prune --older-than DAYS, reclaim."
+)
 
 
 @click.command(
     name="fenced",
-    help=commands.HELP + " (`celery fenced --help` for the arguments.)",
+    help=HELP + " (`celery fenced --help` for the arguments.)",
     add_help_option=False,
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
@@ -69,7 +72,7 @@ def _stop_when_not_installed(sender: Any = None, **kwargs: Any) -> None:
     if conf is not None:
         names |= {n for n in conf if str(n).lower().startswith("fenced_")}
     if names:
-        from celery_fenced.checks import REQUIRED_APPS, installed_apps_message
+        from celery_fenced.installed import REQUIRED_APPS, installed_apps_message
 
         missing = [a for a in REQUIRED_APPS if not apps.is_installed(a)]
         raise SystemExit(

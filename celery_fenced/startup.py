@@ -8,15 +8,42 @@ sees what the worker will see; :func:`summary` is the worker's one start-up line
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from celery.app import app_or_default
 
 from celery_fenced import conf, hooks
 from celery_fenced.exceptions import FencedConfigurationError
 
 logger = logging.getLogger(__name__)
+
+#: The apps the system checks look at, innermost last (:func:`checking`).
+_checking: list[Any] = []
+
+
+@contextlib.contextmanager
+def checking(app: Any) -> Iterator[None]:
+    """While the system checks run inside it, they check ``app`` (None: the current app)."""
+    if app is not None:
+        _checking.append(app)
+    try:
+        yield
+    finally:
+        if app is not None:
+            _checking.pop()
+
+
+def checked_app() -> Any:
+    """The app the system checks look at: a worker's being started, else the current one."""
+    if _checking:
+        return _checking[-1]
+    return app_or_default()
+
 
 #: Brokers that redeliver an unacknowledged message after a visibility timeout, with the
 #: timeout kombu uses when ``broker_transport_options`` sets none.
