@@ -12,6 +12,7 @@ class CeleryFencedConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # they import the models: only once Django's app registry is ready
         from celery_fenced import checks, extras, hooks, lifecycle, metrics
 
         checks.register()

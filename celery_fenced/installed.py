@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.apps import apps
+from django.conf import settings
 from django.core import checks
 
 from celery_fenced.exceptions import FencedConfigurationError
@@ -37,4 +38,22 @@ def installed_apps_message(missing: list[str]) -> str:
         f"celery-fenced needs both {REQUIRED_APPS[0]!r} and {REQUIRED_APPS[1]!r} in "
         f"INSTALLED_APPS; missing: {', '.join(map(repr, missing))}. Add: "
         f"INSTALLED_APPS += [{', '.join(map(repr, missing))}]"
+    )
+
+
+def ignored_settings_message(app: Any = None) -> str | None:
+    """The error when ``fenced_*`` settings are given (in Django's settings or on ``app``)
+    but ``celery_fenced`` is not installed: the tasks they name would run unfenced."""
+    if not (settings.configured and apps.apps_ready) or apps.is_installed("celery_fenced"):
+        return None
+    names = {n for n in dir(settings) if n.startswith("CELERY_FENCED_")}
+    conf = getattr(app, "conf", None)
+    if conf is not None:
+        names |= {n for n in conf if str(n).lower().startswith("fenced_")}
+    if not names:
+        return None
+    missing = [a for a in REQUIRED_APPS if not apps.is_installed(a)]
+    return (
+        f"celery-fenced: {installed_apps_message(missing)} ({', '.join(sorted(names))} "
+        "would be ignored: the tasks they name would run unfenced)"
     )

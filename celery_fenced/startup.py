@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from celery.app import app_or_default
+from celery.app import app_or_default, backends
+from django.db import connections
 
-from celery_fenced import conf, hooks
+from celery_fenced import conf, hooks, keys, store
 from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.execution import FencedExecution
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +122,6 @@ def fenced_tasks(app: Any) -> list[FencedTaskInfo]:
     Raises :class:`FencedConfigurationError` naming the task whose options do not fit
     the settings (say a global ``fenced_renew_interval`` not below its ``lease_ttl``).
     """
-    from celery_fenced import keys
-    from celery_fenced.execution import FencedExecution
-
     settings = conf.load(app)
     found = []
     for name, task in sorted(app.tasks.items()):
@@ -169,9 +168,8 @@ def results_fenced(app: Any) -> bool:
     if name in FENCED_BACKENDS:
         return True
     try:
-        from celery.app import backends
-
         found: Any = backends.by_url(name, app.loader)
+        # not before: it imports django_celery_results' models, absent without the app (E004)
         from celery_fenced.backends import FencedDatabaseBackend
 
         return issubclass(found[0], FencedDatabaseBackend)
@@ -197,10 +195,6 @@ def visibility_timeout(app: Any) -> tuple[str, float] | None:
 
 def database_description() -> str:
     """The lease database: alias, vendor and name (never a password)."""
-    from django.db import connections
-
-    from celery_fenced import store
-
     alias = store.database_alias()
     connection = connections[alias]
     params = connection.settings_dict

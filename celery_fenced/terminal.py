@@ -70,7 +70,9 @@ def table(
         max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)
     ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells
+    ]
     return lines
 
 
