@@ -38,7 +38,7 @@ from django.conf import settings
 from django.core import checks
 from django.db import DatabaseError, connections, router
 
-from celery_fenced import collations, conf, installed, startup, store, task_checks
+from celery_fenced import collations, conf, installed, startup, task_checks
 from celery_fenced.exceptions import FencedConfigurationError
 
 
@@ -165,7 +165,7 @@ def check_result_database(**kwargs: Any) -> list[checks.CheckMessage]:
     from django_celery_results.models import TaskResult
 
     try:
-        leases = store.database_alias()
+        leases = startup.lease_database()
     except FencedConfigurationError:
         return []  # reported by check_settings
     results = router.db_for_write(TaskResult)
@@ -195,7 +195,7 @@ def check_database_clock(databases: Any = None, **kwargs: Any) -> list[checks.Ch
         return []  # not asked to read a database; or E004
 
     try:
-        alias = store.database_alias()
+        alias = startup.lease_database()
     except FencedConfigurationError:
         return []  # reported by check_settings
     if alias not in databases or connections[alias].vendor != "mysql":
@@ -239,7 +239,7 @@ def register() -> None:
 def _lease_database() -> list[str]:
     """The lease database, for the checks that read it (none if it is misconfigured)."""
     try:
-        return [store.database_alias()]
+        return [startup.lease_database()]
     except FencedConfigurationError:
         return []
 

@@ -18,7 +18,7 @@ from typing import Any
 from celery.app import app_or_default, backends
 from django.db import connections
 
-from celery_fenced import conf, hooks, keys, store
+from celery_fenced import conf, hooks, keys
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.execution import FencedExecution
 
@@ -193,9 +193,17 @@ def visibility_timeout(app: Any) -> tuple[str, float] | None:
         return None
 
 
+def lease_database() -> str:
+    """The lease database's alias (:func:`celery_fenced.store.database_alias`)."""
+    # on use: the store imports django_celery_results' models, absent until E004 is fixed
+    from celery_fenced import store
+
+    return store.database_alias()
+
+
 def database_description() -> str:
     """The lease database: alias, vendor and name (never a password)."""
-    alias = store.database_alias()
+    alias = lease_database()
     connection = connections[alias]
     params = connection.settings_dict
     where = str(params.get("NAME") or "")
