@@ -64,6 +64,8 @@ class TaskOptions:
 
 @dataclass(frozen=True)
 class FencedSettings:
+    """The validated ``fenced_*`` settings (each field is the setting without ``fenced_``)."""
+
     tasks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     default_ttl: float = 60.0
     renew_interval: float | None = None
