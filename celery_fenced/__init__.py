@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +63,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_fenced' has no attribute {name!r}")
-    import importlib
-
-    from celery_fenced.checks import require_apps
+    # imported here: it imports Django, which ``import celery_fenced`` does not
+    from celery_fenced.installed import require_apps
 
     require_apps()  # names both apps, instead of Django's error about a model class
     return getattr(importlib.import_module(module), name)

@@ -12,10 +12,11 @@ class CeleryFencedConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from celery_fenced import checks, hooks, metrics
+        # they import the models: only once Django's app registry is ready
+        from celery_fenced import checks, extras, hooks, lifecycle, metrics
 
         checks.register()
-        hooks.connect()
+        lifecycle.connect()
         hooks.fence_in_every_process()
-        if metrics.available():
+        if extras.metrics_installed():
             metrics.connect()

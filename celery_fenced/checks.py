@@ -1,6 +1,6 @@
 """Django system checks: misconfiguration is named at start, not on the first task.
 
-``manage.py check`` runs them, and so does every worker at start (:mod:`celery_fenced.hooks`
+``manage.py check`` runs them, and so does every worker at start (:mod:`celery_fenced.lifecycle`
 stops it on an error and logs the warnings). Each message names the setting or the task
 and what would be valid.
 
@@ -33,35 +33,13 @@ import difflib
 import re
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings
 from django.core import checks
+from django.db import DatabaseError, connections, router
 
-from celery_fenced import collations, conf, startup
+from celery_fenced import collations, conf, installed, startup, task_checks
 from celery_fenced.exceptions import FencedConfigurationError
-
-REQUIRED_APPS = ("django_celery_results", "celery_fenced")
-#: The shortest lease ttl (seconds) the checks accept. A lease is renewed every ttl / 3
-#: and is lost when a renewal is 2/3 of the ttl late; below 1 s that is under 667 ms,
-#: within reach of an ordinary GC pause, slow query or TCP retransmission (200 ms at
-#: least on Linux), and the renewals alone are three database writes a second per task.
-MIN_LEASE_TTL = 1.0
-ON_BUSY_MEANS = {
-    "retry": "is retried until the lease is free, so the job waits",
-    "skip": "is dropped (on_busy='skip'): the job is lost",
-    "fail": "fails with LeaseBusy (on_busy='fail'): the job ends as a failure",
-}
-
-
-#: The app :func:`run` checks (a worker's); otherwise the current app.
-_checking: list[Any] = []
-
-
-def _app() -> Any:
-    if _checking:
-        return _checking[-1]
-    from celery.app import app_or_default
-
-    return app_or_default()
 
 
 def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
@@ -71,14 +49,14 @@ def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
     except FencedConfigurationError as exc:
         errors.append(checks.Error(str(exc), id="celery_fenced.E001"))
     else:
-        errors += short_ttl_messages(
+        errors += task_checks.short_ttl_messages(
             "fenced_default_ttl", loaded.default_ttl, "fenced_default_ttl"
         )
         for pattern, options in loaded.tasks.items():
             ttl = options.get("ttl")
             if ttl is not None:
                 where = f"fenced_tasks[{pattern!r}] ttl"
-                errors += short_ttl_messages(where, float(ttl), "fenced_tasks")
+                errors += task_checks.short_ttl_messages(where, float(ttl), "fenced_tasks")
     if not settings.USE_TZ:
         errors.append(
             checks.Error(
@@ -90,33 +68,12 @@ def check_settings(**kwargs: Any) -> list[checks.CheckMessage]:
     return errors
 
 
-def short_ttl_messages(where: str, ttl: float, obj: str) -> list[checks.CheckMessage]:
-    """E008 when ``ttl`` is below :data:`MIN_LEASE_TTL`."""
-    if ttl >= MIN_LEASE_TTL:
-        return []
-    return [
-        checks.Error(
-            f"{where} is {ttl:g}s, below {MIN_LEASE_TTL:g}s: too short to renew. The lease "
-            f"is renewed every ttl / 3 ({ttl / 3 * 1000:.0f} ms, a database write each "
-            f"time) and lost as soon as one renewal is {ttl * 2 / 3 * 1000:.0f} ms late: a "
-            "garbage-collection pause, a slow query or a retransmitted packet, and the "
-            "running task is fenced out.",
-            hint=f"Give a ttl of {MIN_LEASE_TTL:g}s or more: the lease is renewed while the "
-            "task runs, so a longer ttl only delays the takeover after a worker is lost. "
-            "(If you mean it, say in tests: SILENCED_SYSTEM_CHECKS = "
-            '["celery_fenced.E008"].)',
-            obj=obj,
-            id="celery_fenced.E008",
-        )
-    ]
-
-
 def check_unknown_settings(**kwargs: Any) -> list[checks.CheckMessage]:
     """A setting that looks like one of ours but is not (``CELERY_FENCED_TASK``,
     ``CELERY_FENCE_TASKS``, ``CELERY_FENCED_TTL``) would be ignored: name it."""
     written: list[object] = [name for name in dir(settings) if name.isupper()]
     with contextlib.suppress(Exception):  # a broken app configuration is Celery's to report
-        written += list(_app().conf.keys())
+        written += list(startup.checked_app().conf.keys())
     errors: list[checks.CheckMessage] = []
     for name in sorted({name for name in written if isinstance(name, str)}):
         django_style = name.isupper()
@@ -197,50 +154,18 @@ def _meant(name: str) -> str | None:
     return close[0] if close else None
 
 
-def check_installed_apps(**kwargs: Any) -> list[checks.CheckMessage]:
-    from django.apps import apps
-
-    missing = [name for name in REQUIRED_APPS if not apps.is_installed(name)]
-    if not missing:
-        return []
-    return [checks.Error(installed_apps_message(missing), id="celery_fenced.E004")]
-
-
-def require_apps() -> None:
-    """Raise, naming both apps, when one of them is not installed (once apps are ready)."""
-    from django.apps import apps
-
-    if not apps.apps_ready:
-        return  # importing the models raises Django's AppRegistryNotReady, which is clear
-    missing = [name for name in REQUIRED_APPS if not apps.is_installed(name)]
-    if missing:
-        raise FencedConfigurationError(installed_apps_message(missing))
-
-
-def installed_apps_message(missing: list[str]) -> str:
-    return (
-        f"celery-fenced needs both {REQUIRED_APPS[0]!r} and {REQUIRED_APPS[1]!r} in "
-        f"INSTALLED_APPS; missing: {', '.join(map(repr, missing))}. Add: "
-        f"INSTALLED_APPS += [{', '.join(map(repr, missing))}]"
-    )
-
-
 def check_result_database(**kwargs: Any) -> list[checks.CheckMessage]:
     """The fenced result backend proves, writes and releases in one transaction (R3) only
     when its results and the leases are in the same database."""
-    from django.apps import apps
-    from django.db import router
-
     if not apps.is_installed("django_celery_results"):
         return []  # E004
-    if not startup.results_fenced(_app()):
+    if not startup.results_fenced(startup.checked_app()):
         return []
+    # only once the app is known installed: its models cannot be imported otherwise (E004)
     from django_celery_results.models import TaskResult
 
-    from celery_fenced import store
-
     try:
-        leases = store.database_alias()
+        leases = startup.lease_database()
     except FencedConfigurationError:
         return []  # reported by check_settings
     results = router.db_for_write(TaskResult)
@@ -266,15 +191,11 @@ def check_database_clock(databases: Any = None, **kwargs: Any) -> list[checks.Ch
     the lease database is among ``databases`` (a worker's start, ``migrate``, ``check
     --database``).
     """
-    from django.apps import apps
-    from django.db import DatabaseError, connections
-
     if not databases or not apps.is_installed("django_celery_results"):
         return []  # not asked to read a database; or E004
-    from celery_fenced import store
 
     try:
-        alias = store.database_alias()
+        alias = startup.lease_database()
     except FencedConfigurationError:
         return []  # reported by check_settings
     if alias not in databases or connections[alias].vendor != "mysql":
@@ -302,202 +223,23 @@ def check_database_clock(databases: Any = None, **kwargs: Any) -> list[checks.Ch
     ]
 
 
-def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
-    """The project's fenced tasks against the result backend, the broker and each other."""
-    from django.apps import apps
-
-    if not apps.is_installed("django_celery_results"):
-        return []  # E004: the fenced result backend cannot even be imported
-    app = _app()
-    try:
-        conf.load(app)
-    except FencedConfigurationError:
-        return []  # E001
-    try:
-        startup.load_project_tasks(app)
-    except FencedConfigurationError as exc:
-        return [
-            checks.Error(
-                f"a task module failed to load: {exc}",
-                hint="Fix the task's lease options; the worker would not start.",
-                id="celery_fenced.E005",
-            )
-        ]
-    except Exception as exc:  # not ours to judge; the project's own import error
-        return [
-            checks.Warning(
-                f"the project's task modules could not be loaded "
-                f"({type(exc).__name__}: {exc}), so its fenced tasks were not checked.",
-                hint="The worker imports the same modules at start and would fail the same.",
-                id="celery_fenced.W007",
-            )
-        ]
-    messages: list[checks.CheckMessage] = _unmatched_messages(app)
-    try:
-        tasks = startup.fenced_tasks(app)
-    except FencedConfigurationError as exc:
-        return [*messages, checks.Error(str(exc), id="celery_fenced.E001")]
-    if not tasks:
-        return messages
-    messages += _result_backend_messages(app, tasks)
-    for info in tasks:
-        messages += _task_messages(app, info)
-    return messages
-
-
-def _unmatched_messages(app: Any) -> list[checks.CheckMessage]:
-    return [
-        checks.Warning(
-            f"fenced_tasks[{pattern!r}] matches no registered task, so it fences nothing. "
-            "(The checks see the tasks of the modules the worker imports at start: the "
-            "apps' tasks.py found by app.autodiscover_tasks(), and the imports and include "
-            "settings.)",
-            hint="Correct the task name or pattern (case counts; patterns never select "
-            "celery.* or celery_fenced.* tasks), or make sure the module defining the task "
-            "is imported at start.",
-            obj=f"fenced_tasks[{pattern!r}]",
-            id="celery_fenced.W009",
-        )
-        for pattern in startup.unmatched_patterns(app)
-    ]
-
-
-def _result_backend_messages(
-    app: Any, tasks: list[startup.FencedTaskInfo]
-) -> list[checks.CheckMessage]:
-    backend = startup.result_backend_name(app)
-    names = ", ".join(info.name for info in tasks[:5]) + (", …" if len(tasks) > 5 else "")
-    if not backend:
-        return [
-            checks.Warning(
-                f"{len(tasks)} fenced task(s) ({names}), but no result_backend is set: "
-                "their results are not stored at all, and AsyncResult.get() raises "
-                'NotImplementedError ("No result backend is configured").',
-                hint='Set CELERY_RESULT_BACKEND = "fenced-db" (results stored under the '
-                "token check); if nothing ever reads a result, silence celery_fenced.W008.",
-                id="celery_fenced.W008",
-            )
-        ]
-    if startup.results_fenced(app):
-        return []
-    return [
-        checks.Warning(
-            f"{len(tasks)} fenced task(s) ({names}) store their results with result_backend "
-            f"{backend!r}, which does not check fencing tokens: a paused worker's late "
-            "result can overwrite the result of the newer execution. The leases still "
-            "work; the results are not fenced.",
-            hint='Set CELERY_RESULT_BACKEND = "fenced-db" '
-            '("celery_fenced.backends:FencedDatabaseBackend").',
-            id="celery_fenced.W002",
-        )
-    ]
-
-
-def _task_messages(app: Any, info: startup.FencedTaskInfo) -> list[checks.CheckMessage]:
-    messages: list[checks.CheckMessage] = []
-    ttl = info.options.ttl
-    own_ttl = None if info.configured else getattr(info.task, "lease_ttl", None)
-    if own_ttl is not None:
-        messages += short_ttl_messages(f"task {info.name!r}: lease_ttl", own_ttl, info.name)
-    if info.configured and info.declared_acks_early:
-        messages.append(
-            checks.Warning(
-                f"task {info.name!r} sets acks_late=False, but fenced_tasks selects it and "
-                "a fenced task runs with acks_late=True: its message is acknowledged after "
-                "the body, so a job whose worker is lost is delivered again (the fencing "
-                "token makes that safe for what the job writes under it).",
-                hint="Remove acks_late=False from the task; or, to keep early "
-                "acknowledgement, leave it out of fenced_tasks (base=FencedTask with "
-                "acks_late=False is allowed, see celery_fenced.W003).",
-                obj=info.name,
-                id="celery_fenced.W010",
-            )
-        )
-    if not info.acks_late:
-        after = (
-            "only the reclaimer sends it again, once the lease has expired"
-            if info.options.reclaim
-            else "nothing sends it again: the job is gone"
-        )
-        messages.append(
-            checks.Warning(
-                f"task {info.name!r} is fenced but has acks_late=False: its message is "
-                "acknowledged before the body runs, so if the worker is lost mid-task the "
-                f"broker does not redeliver it; {after}.",
-                hint="Remove acks_late=False (FencedTask defaults to acks_late=True), or "
-                "accept that a lost worker's job is not retried by the broker.",
-                obj=info.name,
-                id="celery_fenced.W003",
-            )
-        )
-    redelivery = startup.visibility_timeout(app)
-    if redelivery is not None:
-        transport, timeout = redelivery
-        busy = ON_BUSY_MEANS[info.options.on_busy]
-        hint = (
-            'Set CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": ...} above '
-            "the task's ttl and its hard time limit."
-        )
-        if ttl > timeout:
-            messages.append(
-                checks.Warning(
-                    f"task {info.name!r}: lease ttl {ttl:g}s is longer than the broker's "
-                    f"visibility_timeout ({timeout:g}s). {transport} redelivers an "
-                    f"unacknowledged message after {timeout:g}s, while the lease of a lost "
-                    f"worker is still held for up to {ttl:g}s: the copy finds the key busy "
-                    f"and {busy}.",
-                    hint=hint + " Or lower the ttl.",
-                    obj=info.name,
-                    id="celery_fenced.W004",
-                )
-            )
-        limit = info.time_limit
-        if limit is not None and limit > timeout:
-            messages.append(
-                checks.Warning(
-                    f"task {info.name!r}: hard time limit {limit:g}s is longer than the "
-                    f"broker's visibility_timeout ({timeout:g}s): a run that takes longer "
-                    f"than {timeout:g}s is redelivered by {transport} while it still holds "
-                    f"its lease (renewed), and the copy {busy}.",
-                    hint=hint,
-                    obj=info.name,
-                    id="celery_fenced.W005",
-                )
-            )
-    interval = info.options.renew_interval
-    if interval > ttl / 2:
-        messages.append(
-            checks.Warning(
-                f"task {info.name!r}: renew interval {interval:g}s is more than half its "
-                f"lease ttl ({ttl:g}s): a single late renewal (a GC pause, a slow "
-                "database) loses the lease and the running task is fenced out.",
-                hint="Leave the renew interval unset (ttl / 3) or set it at most ttl / 2.",
-                obj=info.name,
-                id="celery_fenced.W006",
-            )
-        )
-    return messages
-
-
 def register() -> None:
     for check in (
-        check_installed_apps,
+        installed.check_installed_apps,
         check_settings,
         check_unknown_settings,
         check_result_database,
         check_database_clock,
         collations.check_result_ids,
-        check_tasks,
+        task_checks.check_tasks,
     ):
         checks.register(check, "celery_fenced")
 
 
 def _lease_database() -> list[str]:
     """The lease database, for the checks that read it (none if it is misconfigured)."""
-    from celery_fenced import store
-
     try:
-        return [store.database_alias()]
+        return [startup.lease_database()]
     except FencedConfigurationError:
         return []
 
@@ -508,13 +250,8 @@ def run(app: Any = None) -> tuple[list[checks.CheckMessage], list[checks.CheckMe
     Returns ``(errors, warnings)``; messages silenced by ``SILENCED_SYSTEM_CHECKS`` are left
     out, as ``manage.py check`` leaves them out.
     """
-    if app is not None:
-        _checking.append(app)
-    try:
+    with startup.checking(app):
         found = checks.run_checks(tags=["celery_fenced"], databases=_lease_database())
-    finally:
-        if app is not None:
-            _checking.pop()
     errors = [m for m in found if m.is_serious()]
     warnings = [m for m in found if not m.is_serious()]
     return errors, warnings

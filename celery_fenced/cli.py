@@ -13,13 +13,17 @@ import sys
 from typing import Any
 
 import click
+from celery import signals
 
-from celery_fenced import commands
+HELP = (
+    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
+    "prune --older-than DAYS, reclaim."
+)
 
 
 @click.command(
     name="fenced",
-    help=commands.HELP + " (`celery fenced --help` for the arguments.)",
+    help=HELP + " (`celery fenced --help` for the arguments.)",
     add_help_option=False,
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
@@ -42,10 +46,9 @@ def setup_django(app: Any = None) -> None:
             "celery fenced runs under Django: set DJANGO_SETTINGS_MODULE (a Django "
             "project's Celery app module sets it before creating the app)."
         )
-    import django
-    from django.apps import apps
+    import django.apps  # only here: Celery loads this module on every start
 
-    if not apps.ready:
+    if not django.apps.apps.ready:
         django.setup()
 
 
@@ -58,32 +61,13 @@ def _stop_when_not_installed(sender: Any = None, **kwargs: Any) -> None:
     """
     if "django" not in sys.modules:
         return
-    from django.apps import apps
-    from django.conf import settings
+    from celery_fenced import installed  # it imports Django: only once a project has
 
-    if not (settings.configured and apps.apps_ready) or apps.is_installed("celery_fenced"):
-        return
-    app = getattr(sender, "app", None)
-    names = {n for n in dir(settings) if n.startswith("CELERY_FENCED_")}
-    conf = getattr(app, "conf", None)
-    if conf is not None:
-        names |= {n for n in conf if str(n).lower().startswith("fenced_")}
-    if names:
-        from celery_fenced.checks import REQUIRED_APPS, installed_apps_message
-
-        missing = [a for a in REQUIRED_APPS if not apps.is_installed(a)]
-        raise SystemExit(
-            f"celery-fenced: {installed_apps_message(missing)} ({', '.join(sorted(names))} "
-            "would be ignored: the tasks they name would run unfenced)"
-        )
+    message = installed.ignored_settings_message(getattr(sender, "app", None))
+    if message:
+        raise SystemExit(message)
 
 
-def _connect() -> None:
-    from celery import signals
-
-    signals.worker_init.connect(
-        _stop_when_not_installed, weak=False, dispatch_uid="celery_fenced.cli.installed"
-    )
-
-
-_connect()
+signals.worker_init.connect(
+    _stop_when_not_installed, weak=False, dispatch_uid="celery_fenced.cli.installed"
+)

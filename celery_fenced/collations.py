@@ -31,6 +31,8 @@ RESULT_ID_COLUMNS = (
 
 
 class Column(NamedTuple):
+    """A varchar column as MariaDB or MySQL reports it (``information_schema``)."""
+
     table: str
     name: str
     length: int

@@ -3,23 +3,23 @@
 Their arguments are declared once, by the management command's parser
 (:mod:`celery_fenced.management.commands.fenced`); ``celery fenced`` hands its arguments
 to that command, so the two cannot drift. To add a subcommand, write its function here,
-add it to :data:`HANDLERS`, and declare its arguments there.
+add it to :data:`HANDLERS`, and declare its arguments there. How they write (tables, JSON,
+the progress bar) is :mod:`celery_fenced.terminal`'s.
 
-This module imports neither Django models nor Celery at import time: ``celery`` loads
-the command on every start, before Django is set up.
+Loaded by the management command, once Django's app registry is ready.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import getpass
 import json
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import IO as Stream
-from typing import Any, TextIO, cast
+from collections.abc import Callable
+from typing import Any
 
-STATES = ("held", "expired", "released")
+from celery_fenced import operations, permits, store, terminal
+from celery_fenced.outbox import resend_pending
+from celery_fenced.reclaim import reclaim_expired
+
 LIST_LIMIT = 100
 SHOW_EVENTS = 20
 
@@ -28,27 +28,11 @@ class CommandFailed(Exception):
     """A subcommand could not do what was asked; the message says why."""
 
 
-@dataclass(frozen=True)
-class IO:
-    """Where a subcommand writes: lines of output, errors, and a progress TTY (or None)."""
-
-    write: Callable[[str], None]
-    error: Callable[[str], None]
-    progress: Stream[str] | None = None
-
-
-Handler = Callable[[IO, dict[str, Any]], None]
-
-HELP = (
-    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
-    "prune --older-than DAYS, reclaim."
-)
+Handler = Callable[[terminal.IO, dict[str, Any]], None]
 
 
 # -- list ------------------------------------------------------------------------------
-def list_leases(io: IO, options: dict[str, Any]) -> None:
-    from celery_fenced import operations
-
+def list_leases(io: terminal.IO, options: dict[str, Any]) -> None:
     limit = options.get("limit")
     limit = LIST_LIMIT if limit is None else limit
     if limit < 0:
@@ -64,7 +48,7 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
     )
     rows = queryset.iterator() if limit == 0 else queryset[:limit]
     records = [_record(lease) for lease in rows]
-    if _written_as_json_or_empty(io, options, records, "No leases."):
+    if terminal.written_as_json_or_empty(io, options, records, "No leases."):
         return
     table = [
         (
@@ -79,32 +63,30 @@ def list_leases(io: IO, options: dict[str, Any]) -> None:
     ]
     header = ("KEY", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES")
     # keys whole, however long: a key is copied from here into `fenced show` / `release`
-    _write_table(io, header, table, limit, len(records), whole=(0,))
+    terminal.write_table(io, header, table, limit, len(records), whole=(0,))
 
 
-def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
+def list_pending(io: terminal.IO, options: dict[str, Any], limit: int) -> None:
     """The outbox's pending jobs, oldest first: what the reclaimer sends again when due."""
-    from celery_fenced import store
-
     rows = store.pending_rows(store.database_alias(options.get("database")), limit=limit or None)
     records = [
         {
             "task_id": row.task_id,
             "task_name": row.task_name,
             "key": row.key,
-            "published_at": _iso(row.published_at),
-            "eta": _iso(row.eta),
-            "resend_at": _iso(row.resend_at),
+            "published_at": terminal.iso(row.published_at),
+            "eta": terminal.iso(row.eta),
+            "resend_at": terminal.iso(row.resend_at),
             "sends": row.sends,
             "unsent": row.unsent,
-            "abandoned_at": _iso(row.abandoned_at),
+            "abandoned_at": terminal.iso(row.abandoned_at),
             "abandoned_reason": row.abandoned_reason,
             "unique": row.unique_until or None,
             "started_token": row.started_token,
         }
         for row in rows
     ]
-    if _written_as_json_or_empty(io, options, records, "No pending jobs."):
+    if terminal.written_as_json_or_empty(io, options, records, "No pending jobs."):
         return
     table = [
         (
@@ -119,7 +101,7 @@ def list_pending(io: IO, options: dict[str, Any], limit: int) -> None:
         for r in records
     ]
     header = ("TASK ID", "TASK", "KEY", "PUBLISHED", "SENT AGAIN AT", "SENDS", "STATE")
-    _write_table(io, header, table, limit, len(records), whole=(0, 2))
+    terminal.write_table(io, header, table, limit, len(records), whole=(0, 2))
 
 
 def _pending_state(record: dict[str, Any]) -> str:
@@ -131,39 +113,8 @@ def _pending_state(record: dict[str, Any]) -> str:
     return f"{state} (unique)" if record["unique"] else state
 
 
-def _written_as_json_or_empty(
-    io: IO, options: dict[str, Any], records: list[dict[str, Any]], empty: str
-) -> bool:
-    """Write ``records`` as JSON (``--json``) or ``empty`` when there are none; whether
-    that was all there is to write."""
-    if options.get("json"):
-        io.write(json.dumps(records, indent=2))
-        return True
-    if not records:
-        io.write(empty)
-        return True
-    return False
-
-
-def _write_table(
-    io: IO,
-    header: tuple[str, ...],
-    rows: Iterable[tuple[str, ...]],
-    limit: int,
-    count: int,
-    whole: tuple[int, ...],
-) -> None:
-    """A listing's table, and a word when ``--limit`` cut it short."""
-    for line in _table(header, rows, whole=whole):
-        io.write(line)
-    if limit and count == limit:
-        io.write(f"(first {limit}; --limit 0 lists all)")
-
-
 # -- show ------------------------------------------------------------------------------
-def show(io: IO, options: dict[str, Any]) -> None:
-    from celery_fenced import operations
-
+def show(io: terminal.IO, options: dict[str, Any]) -> None:
     lease = operations.find(options["key"], using=options.get("database"))
     if lease is None:
         raise CommandFailed(f"no lease for key {options['key']!r}")
@@ -171,7 +122,7 @@ def show(io: IO, options: dict[str, Any]) -> None:
     count = SHOW_EVENTS if count is None else max(count, 0)
     events = [
         {
-            "at": _iso(e.at),
+            "at": terminal.iso(e.at),
             "kind": e.kind,
             "token": e.token,
             "owner": e.owner,
@@ -209,16 +160,21 @@ def show(io: IO, options: dict[str, Any]) -> None:
     io.write("")
     io.write(f"Recent events (newest first, {len(events)} shown):")
     table = [
-        (e["at"], e["kind"], str(e["token"]), e["owner"], e["task_id"], _detail(e["detail"]))
+        (
+            e["at"],
+            e["kind"],
+            str(e["token"]),
+            e["owner"],
+            e["task_id"],
+            terminal.detail(e["detail"]),
+        )
         for e in events
     ]
-    for line in _table(("AT", "KIND", "TOKEN", "OWNER", "TASK ID", "DETAIL"), table):
+    for line in terminal.table(("AT", "KIND", "TOKEN", "OWNER", "TASK ID", "DETAIL"), table):
         io.write(line)
 
 
-def _write_permits(io: IO, head: dict[str, Any], held: list[dict[str, Any]]) -> None:
-    from celery_fenced import operations
-
+def _write_permits(io: terminal.IO, head: dict[str, Any], held: list[dict[str, Any]]) -> None:
     io.write("")
     io.write(f"Permits (lease_limit: {head['permits']} at most):")
     table = [
@@ -232,19 +188,17 @@ def _write_permits(io: IO, head: dict[str, Any], held: list[dict[str, Any]]) -> 
         )
         for r in held
     ]
-    for line in _table(("PERMIT", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
+    for line in terminal.table(("PERMIT", "TOKEN", "STATE", "HOLDER", "TASK", "EXPIRES"), table):
         io.write(line)
 
 
 # -- release ---------------------------------------------------------------------------
-def release(io: IO, options: dict[str, Any]) -> None:
-    from celery_fenced import operations
-
+def release(io: terminal.IO, options: dict[str, Any]) -> None:
     key, using = options["key"], options.get("database")
     if operations.find(key, using=using) is None:
         raise CommandFailed(f"no lease for key {key!r}")
     by = f"cli:{options.get('by') or _user()}"
-    token = operations.force_release(key, by=by, using=using)
+    token = store.force_release(key, by=by, using=using)
     if token is None:
         io.write(f"{key}: not held, nothing released.")
     else:
@@ -252,9 +206,7 @@ def release(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- reclaim ---------------------------------------------------------------------------
-def reclaim(io: IO, options: dict[str, Any]) -> None:
-    from celery_fenced.outbox import resend_pending
-    from celery_fenced.reclaim import reclaim_expired
+def reclaim(io: terminal.IO, options: dict[str, Any]) -> None:
 
     try:
         outcomes = reclaim_expired(
@@ -268,7 +220,9 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
         (o.key, o.task_id, o.task_name, str(o.token), str(o.attempt), o.action, o.reason)
         for o in outcomes
     ]
-    for line in _table(("KEY", "TASK ID", "TASK", "TOKEN", "ATTEMPT", "ACTION", "REASON"), rows):
+    for line in terminal.table(
+        ("KEY", "TASK ID", "TASK", "TOKEN", "ATTEMPT", "ACTION", "REASON"), rows
+    ):
         io.write(line)
     verb = "would be handled" if options.get("dry_run") else "handled"
     io.write(f"{len(outcomes)} expired job{'s' if len(outcomes) != 1 else ''} {verb}.")
@@ -278,7 +232,7 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
         resent = resend_pending(using=options.get("database"))
     except ValueError as exc:
         raise CommandFailed(str(exc)) from None
-    for line in _table(
+    for line in terminal.table(
         ("TASK ID", "TASK", "KEY", "ATTEMPT", "ACTION", "REASON"),
         [
             (o.task_id, o.task_name, o.key or "-", str(o.attempt), o.action, o.reason)
@@ -290,10 +244,8 @@ def reclaim(io: IO, options: dict[str, Any]) -> None:
 
 
 # -- prune -----------------------------------------------------------------------------
-def prune(io: IO, options: dict[str, Any]) -> None:
-    from celery_fenced import operations
-
-    bar = Progress(io.progress) if io.progress is not None else None
+def prune(io: terminal.IO, options: dict[str, Any]) -> None:
+    bar = terminal.Progress(io.progress) if io.progress is not None else None
     try:
         deleted = operations.prune_events(
             older_than_days=options["older_than"],
@@ -310,38 +262,8 @@ def prune(io: IO, options: dict[str, Any]) -> None:
     io.write(f"Deleted {deleted} event{plural} older than {options['older_than']:g} days.")
 
 
-class Progress:
-    """The prune's progress, as ``click.progressbar`` draws it on a TTY (in place)."""
-
-    def __init__(self, stream: Stream[str]) -> None:
-        self.stream = stream
-        self.bar: Any = None
-        self.done = 0
-
-    def __call__(self, done: int, total: int) -> None:
-        import click
-
-        if self.bar is None:
-            self.bar = click.progressbar(
-                length=total,
-                label="events",
-                file=cast(TextIO, self.stream),
-                show_pos=True,
-                show_percent=True,
-            )
-        self.bar.length = max(self.bar.length, total)
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.render_finish()
-
-
 # -- helpers ---------------------------------------------------------------------------
 def _record(lease: Any) -> dict[str, Any]:
-    from celery_fenced import operations, permits
-
     return {
         "key": lease.key,
         "permit": permits.split(lease.key)[1],
@@ -351,10 +273,10 @@ def _record(lease: Any) -> dict[str, Any]:
         "owner": lease.owner,
         "task_name": lease.task_name,
         "task_id": lease.task_id,
-        "acquired_at": _iso(lease.acquired_at),
-        "renewed_at": _iso(lease.renewed_at),
-        "expires_at": _iso(lease.expires_at),
-        "released_at": _iso(lease.released_at),
+        "acquired_at": terminal.iso(lease.acquired_at),
+        "renewed_at": terminal.iso(lease.renewed_at),
+        "expires_at": terminal.iso(lease.expires_at),
+        "released_at": terminal.iso(lease.released_at),
         "release_state": lease.release_state,
         "reclaimed_from": lease.reclaimed_from,
         "expires_in": operations.expires_in(lease),
@@ -363,19 +285,9 @@ def _record(lease: Any) -> dict[str, Any]:
 
 def _key_text(record: dict[str, Any]) -> str:
     """A key as people read it: a permit's as ``key (permit 2)``, a head's with its count."""
-    from celery_fenced import permits
-
     if record["permits"]:
         return f"{record['key']} ({record['permits']} permits)"
     return permits.describe(record["key"])
-
-
-def _iso(value: dt.datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
-def _detail(detail: Any) -> str:
-    return json.dumps(detail, sort_keys=True) if detail else ""
 
 
 def _user() -> str:
@@ -383,34 +295,6 @@ def _user() -> str:
         return getpass.getuser()
     except Exception:  # no login name (a container without a passwd entry)
         return "unknown"
-
-
-def _table(
-    header: tuple[str, ...],
-    rows: Iterable[tuple[str, ...]],
-    limit: int = 48,
-    whole: tuple[int, ...] = (),
-) -> list[str]:
-    """Aligned columns, each cell cut at ``limit`` characters but those of the columns
-    ``whole`` (the keys and ids someone pastes into another command)."""
-    cut = [
-        tuple(
-            cell.replace("\n", " ") if i in whole else _cut(cell, limit)
-            for i, cell in enumerate(row)
-        )
-        for row in rows
-    ]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cut)) if cut else len(h) for i, h in enumerate(header)
-    ]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cut]
-    return lines
-
-
-def _cut(text: str, limit: int) -> str:
-    text = text.replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 #: subcommand name → the function that runs it, given the parsed options

@@ -6,154 +6,35 @@ settings when the app is configured with ``namespace="CELERY"``.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
-import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, cast
 
+from celery import current_app
+from celery.app import app_or_default
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
+from django.db import connections
 
 from celery_fenced.exceptions import FencedConfigurationError
-
-ON_BUSY_CHOICES = ("retry", "skip", "fail")
-#: what the audit trail records: the anomalies only, or every grant and release too
-EVENTS_CHOICES = ("anomalies", "all")
-TASK_OPTION_NAMES = (
-    "ttl",
-    "key",
-    "on_busy",
-    "renew_interval",
-    "reclaim",
-    "outbox",
-    "unique",
-    "limit",
+from celery_fenced.validators import (
+    NEVER_BY_PATTERN,
+    TASK_OPTION_NAMES,
+    did_you_mean,
+    validate_bool,
+    validate_events,
+    validate_limit,
+    validate_metrics_port,
+    validate_on_busy,
+    validate_positive_seconds,
+    validate_reclaim,
+    validate_reclaim_max,
+    validate_renew_interval,
+    validate_seconds,
+    validate_unique,
 )
-#: the most permits a key can have (``lease_limit``)
-MAX_LIMIT = 10_000
-#: ``lease_unique``: no second copy queued while one is waiting, or waiting or running
-UNIQUE_CHOICES = ("until_started", "until_done")
-#: task name prefixes a glob pattern never selects (an exact name still does)
-NEVER_BY_PATTERN = ("celery.", "celery_fenced.")
-
-
-def validate_ttl(value: object, name: str) -> float:
-    """Return ``value`` as seconds, or raise naming ``name`` and what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FencedConfigurationError(
-            f"{name} must be a number of seconds greater than 0, got {value!r}"
-        )
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise FencedConfigurationError(
-            f"{name} must be a number of seconds greater than 0, got {value!r}"
-        )
-    return seconds
-
-
-def validate_seconds(value: object, name: str) -> float:
-    """Return ``value`` as seconds >= 0, or raise naming ``name`` and what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FencedConfigurationError(
-            f"{name} must be a number of seconds (0 or more), got {value!r}"
-        )
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise FencedConfigurationError(
-            f"{name} must be a number of seconds (0 or more), got {value!r}"
-        )
-    return seconds
-
-
-def validate_reclaim(value: object, name: str) -> bool | None:
-    """``None`` (the default rule), ``True`` or ``False``; anything else is an error."""
-    if value is not None and not isinstance(value, bool):
-        raise FencedConfigurationError(
-            f"{name} must be True, False or None (reclaim tasks keyed by the default key "
-            f"only), got {value!r}"
-        )
-    return value
-
-
-def validate_reclaim_max(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FencedConfigurationError(f"{name} must be an integer of 1 or more, got {value!r}")
-    return value
-
-
-def validate_on_busy(value: object, name: str) -> str:
-    if value not in ON_BUSY_CHOICES:
-        raise FencedConfigurationError(
-            f"{name} must be one of {', '.join(map(repr, ON_BUSY_CHOICES))}, got {value!r}"
-        )
-    return str(value)
-
-
-def validate_events(value: object, name: str) -> str:
-    if value not in EVENTS_CHOICES:
-        raise FencedConfigurationError(
-            f"{name} must be one of {', '.join(map(repr, EVENTS_CHOICES))}, got {value!r}"
-        )
-    return str(value)
-
-
-def validate_bool(value: object, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise FencedConfigurationError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def validate_unique(value: object, name: str) -> str | None:
-    """``None`` (no uniqueness) or one of :data:`UNIQUE_CHOICES`."""
-    if value is not None and value not in UNIQUE_CHOICES:
-        raise FencedConfigurationError(
-            f"{name} must be one of {', '.join(map(repr, UNIQUE_CHOICES))} or None, got {value!r}"
-        )
-    return None if value is None else str(value)
-
-
-def validate_limit(value: object, name: str) -> int | None:
-    """``None`` (one holder, the plain lease) or the number of permits: an int from 1 to
-    :data:`MAX_LIMIT`."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-        raise FencedConfigurationError(
-            f"{name} must be an integer from 1 to {MAX_LIMIT} (permits: holders of the key "
-            f"at once) or None (one holder), got {value!r}"
-        )
-    return value
-
-
-def validate_metrics_port(value: object, name: str) -> int | None:
-    """``None`` or a TCP port (1 to 65535) for the worker's metrics; it needs
-    ``prometheus_client`` (the extra ``metrics``)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise FencedConfigurationError(
-            f"{name} must be a TCP port (an integer from 1 to 65535) or None, got {value!r}"
-        )
-    from celery_fenced import metrics
-
-    if not metrics.available():
-        raise FencedConfigurationError(
-            f"{name} needs prometheus_client: pip install 'celery-fenced[metrics]' "
-            "(or set it to None)"
-        )
-    return value
-
-
-def validate_renew_interval(value: object, ttl: float, name: str) -> float:
-    interval = validate_ttl(value, name)
-    if interval >= ttl:
-        raise FencedConfigurationError(
-            f"{name} must be shorter than the lease ttl ({ttl:g}s), got {value!r}"
-        )
-    return interval
 
 
 @dataclass(frozen=True)
@@ -183,6 +64,8 @@ class TaskOptions:
 
 @dataclass(frozen=True)
 class FencedSettings:
+    """The validated ``fenced_*`` settings (each field is the setting without ``fenced_``)."""
+
     tasks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     default_ttl: float = 60.0
     renew_interval: float | None = None
@@ -261,7 +144,9 @@ class FencedSettings:
         limit: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
-        real_ttl = validate_ttl(self.default_ttl if ttl is None else ttl, f"{where} ttl")
+        real_ttl = validate_positive_seconds(
+            self.default_ttl if ttl is None else ttl, f"{where} ttl"
+        )
         busy = validate_on_busy(self.on_busy if on_busy is None else on_busy, f"{where} on_busy")
         raw_interval = renew_interval if renew_interval is not None else self.renew_interval
         if raw_interval is None:
@@ -326,8 +211,6 @@ def _raw_settings(app: Any = None) -> dict[str, Any]:
     values = dict(DEFAULTS)
     conf = None
     if app is None:
-        from celery import current_app
-
         app = current_app
     conf = app.conf
     for name in DEFAULTS:
@@ -340,11 +223,9 @@ def _raw_settings(app: Any = None) -> dict[str, Any]:
 
 
 def _django_setting(name: str) -> Any:
-    from django.conf import settings
-
-    if not settings.configured:
+    if not django_settings.configured:
         return None
-    return getattr(settings, f"CELERY_{name.upper()}", None)
+    return getattr(django_settings, f"CELERY_{name.upper()}", None)
 
 
 def load(app: Any = None) -> FencedSettings:
@@ -357,8 +238,6 @@ def load(app: Any = None) -> FencedSettings:
     by the next call. Invalid settings are never kept: every call raises until fixed.
     """
     if app is None:
-        from celery.app import app_or_default
-
         app = app_or_default()  # the app itself: each access through the proxy costs
     kept = getattr(app, _CACHE_ATTRIBUTE, None)
     if kept is not None:
@@ -437,7 +316,7 @@ def _load(app: Any) -> FencedSettings:
             "fenced_tasks (CELERY_FENCED_TASKS) must be a dict mapping task names or glob "
             f"patterns to option dicts, got {type(tasks).__name__}"
         )
-    default_ttl = validate_ttl(raw["fenced_default_ttl"], "fenced_default_ttl")
+    default_ttl = validate_positive_seconds(raw["fenced_default_ttl"], "fenced_default_ttl")
     interval = raw["fenced_renew_interval"]
     if interval is not None:
         interval = validate_renew_interval(interval, default_ttl, "fenced_renew_interval")
@@ -454,14 +333,16 @@ def _load(app: Any) -> FencedSettings:
         reclaim=validate_reclaim(raw["fenced_reclaim"], "fenced_reclaim"),
         reclaim_max=validate_reclaim_max(raw["fenced_reclaim_max"], "fenced_reclaim_max"),
         reclaim_grace=validate_seconds(raw["fenced_reclaim_grace"], "fenced_reclaim_grace"),
-        reclaim_resend_after=validate_ttl(
+        reclaim_resend_after=validate_positive_seconds(
             raw["fenced_reclaim_resend_after"], "fenced_reclaim_resend_after"
         ),
-        duplicate_window=validate_ttl(raw["fenced_duplicate_window"], "fenced_duplicate_window"),
+        duplicate_window=validate_positive_seconds(
+            raw["fenced_duplicate_window"], "fenced_duplicate_window"
+        ),
         events=validate_events(raw["fenced_events"], "fenced_events"),
         keep_connection=validate_bool(raw["fenced_keep_connection"], "fenced_keep_connection"),
         outbox=validate_bool(raw["fenced_outbox"], "fenced_outbox"),
-        outbox_resend_after=validate_ttl(
+        outbox_resend_after=validate_positive_seconds(
             raw["fenced_outbox_resend_after"], "fenced_outbox_resend_after"
         ),
         default_limit=validate_limit(raw["fenced_default_limit"], "fenced_default_limit"),
@@ -482,7 +363,7 @@ def _load(app: Any) -> FencedSettings:
         if unknown:
             raise FencedConfigurationError(
                 f"{where} has unknown option(s) {', '.join(sorted(map(repr, unknown)))}"
-                f"{_did_you_mean(unknown, TASK_OPTION_NAMES)}; "
+                f"{did_you_mean(unknown, TASK_OPTION_NAMES)}; "
                 f"allowed: {', '.join(TASK_OPTION_NAMES)}"
             )
         settings.task_options(
@@ -499,24 +380,7 @@ def _load(app: Any) -> FencedSettings:
     return settings
 
 
-def _did_you_mean(unknown: set[Any], allowed: tuple[str, ...]) -> str:
-    """`` (did you mean 'ttl'?)`` when an unknown name is close to an allowed one."""
-    guesses = {
-        name: close[0]
-        for name in sorted(unknown, key=repr)
-        if isinstance(name, str)
-        and (close := difflib.get_close_matches(name, allowed, n=1, cutoff=0.6))
-    }
-    if not guesses:
-        return ""
-    if len(unknown) == 1:
-        return f" (did you mean {next(iter(guesses.values()))!r}?)"
-    return f" (did you mean {', '.join(f'{g!r} for {n!r}' for n, g in guesses.items())}?)"
-
-
 def _validate_database(alias: object) -> None:
-    from django.db import connections
-
     if not isinstance(alias, str) or alias not in connections.settings:
         known = ", ".join(sorted(connections.settings))
         raise FencedConfigurationError(

@@ -10,16 +10,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from celery_fenced.store import HeldLease
 
-_current: ContextVar[HeldLease | None] = ContextVar("celery_fenced_current_lease", default=None)
-# (alias, key, token) of the guard() transactions open in this context
-_guards: ContextVar[tuple[tuple[str, str, int], ...]] = ContextVar(
+#: the lease of the fenced task running in this context (set by the task while it runs)
+current_lease_var: ContextVar[HeldLease | None] = ContextVar(
+    "celery_fenced_current_lease", default=None
+)
+#: (alias, key, token) of the guard() transactions open in this context (set by the store)
+open_guards: ContextVar[tuple[tuple[str, str, int], ...]] = ContextVar(
     "celery_fenced_guards", default=()
 )
 
 
 def current_lease() -> HeldLease | None:
     """The lease held by the fenced task running in this thread/context, or ``None``."""
-    return _current.get()
+    return current_lease_var.get()
 
 
 #: set while the package sends a job whose publish it has already decided (a fenced

@@ -189,7 +189,7 @@ class FencedExecution:
         request.lease_key = key
         carry(request, replace(state_of(request), lease=lease))
         renewer().register(lease)
-        marker = context._current.set(lease)
+        marker = context.current_lease_var.set(lease)
         try:
             retval = super().__call__(*args, **kwargs)  # type: ignore[misc]
             if not request.called_directly and self._backend_is_fenced():
@@ -218,7 +218,7 @@ class FencedExecution:
             self._fenced_release("")
             raise
         finally:
-            context._current.reset(marker)
+            context.current_lease_var.reset(marker)
             if request.called_directly:  # task(...) outside a tracer: nobody else releases
                 self._fenced_release("")
 

@@ -19,17 +19,19 @@ is imported, so the worker sets its directory first.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from django.http import HttpRequest, HttpResponse
+from django.db.models.functions import Now
+from django.http import HttpRequest, HttpResponse
+
+from celery_fenced import extras, signals
+from celery_fenced.models import Lease, PendingJob
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +158,6 @@ _made: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
-def available() -> bool:
-    """Whether ``prometheus_client`` is installed (``pip install 'celery-fenced[metrics]'``)."""
-    return importlib.util.find_spec("prometheus_client") is not None
-
-
 def _metric(name: str) -> Any:
     """The ``prometheus_client`` object of metric ``name``, made on first use."""
     found = _made.get(name)
@@ -172,9 +169,17 @@ def _metric(name: str) -> Any:
         return _made[name]
 
 
-def _make_all() -> None:
-    import prometheus_client as prom
+def _prometheus() -> Any:
+    """``prometheus_client`` with its ``core`` and ``multiprocess`` modules loaded."""
+    # the optional extra, imported on first use: multiprocess mode is chosen at import
+    import prometheus_client.core
+    import prometheus_client.multiprocess
 
+    return prometheus_client
+
+
+def _make_all() -> None:
+    prom = _prometheus()
     for metric in METRICS:
         if metric.type == "counter":
             made: Any = prom.Counter(metric.name, metric.help, metric.labels)
@@ -260,11 +265,9 @@ def stale_what(what: object) -> str:
     return "guard"
 
 
-def lease_ended(task_name: str) -> None:
-    """This process holds a grant no more (released, lost or forgotten; called once per
-    grant by :class:`~celery_fenced.store.HeldLease`)."""
-    if _connected:
-        _metric("celery_fenced_leases_held").labels(task_name).dec()
+def _on_grant_ended(**kwargs: Any) -> None:
+    """This process holds a grant no more (released, lost or forgotten): once per grant."""
+    _metric("celery_fenced_leases_held").labels(_task(kwargs)).dec()
 
 
 def observe_renewal(seconds: float, leases: int) -> None:
@@ -282,8 +285,6 @@ def connect() -> None:
     """Feed the metrics from the signals (at Django's start, when ``prometheus_client``
     is installed); nothing is imported or made before the first one moves."""
     global _connected
-    from celery_fenced import signals
-
     receivers = {
         signals.lease_acquired: _on_acquired,
         signals.lease_busy: _on_busy,
@@ -294,6 +295,7 @@ def connect() -> None:
         signals.lease_resent: _on_resent,
         signals.lease_abandoned: _on_abandoned,
         signals.lease_deduplicated: _on_deduplicated,
+        signals.grant_ended: _on_grant_ended,
     }
     for signal, receiver in receivers.items():
         signal.connect(
@@ -310,31 +312,25 @@ def serve_worker(port: int) -> None:
     if not directory:
         directory = tempfile.mkdtemp(prefix="celery-fenced-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
-    import prometheus_client as prom
-    from prometheus_client import multiprocess
-
+    prom = _prometheus()
     registry = prom.CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    prom.multiprocess.MultiProcessCollector(registry, path=directory)
     prom.start_http_server(port, registry=registry)
     logger.info("celery-fenced: metrics on port %s (%s)", port, directory)
 
 
 def process_ended(pid: int | None = None) -> None:
     """A pool process ends: its live gauges stop counting (multiprocess mode)."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") or not available():
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR") or not extras.metrics_installed():
         return
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(pid or os.getpid())  # type: ignore[no-untyped-call]
+    _prometheus().multiprocess.mark_process_dead(pid or os.getpid())
 
 
 def database_gauges(alias: str | None = None) -> dict[str, float]:
     """The lease database's gauges (:data:`DATABASE_METRICS`): index range counts, never a
     scan of the whole lease table."""
-    from django.db.models.functions import Now
-
+    # on use: the store imports django_celery_results' models, absent until E004 is fixed
     from celery_fenced import operations, store
-    from celery_fenced.models import Lease, PendingJob
 
     using = store.database_alias(alias)
     unreleased = Lease._default_manager.using(using).filter(released_at__isnull=True)
@@ -355,25 +351,22 @@ class _DatabaseCollector:
         self.alias = alias
 
     def collect(self) -> Any:
-        from prometheus_client.core import GaugeMetricFamily
-
         values = database_gauges(self.alias)
         for metric in DATABASE_METRICS:
-            yield GaugeMetricFamily(metric.name, metric.help, value=values[metric.name])
+            yield _prometheus().core.GaugeMetricFamily(
+                metric.name, metric.help, value=values[metric.name]
+            )
 
 
 def view(request: HttpRequest) -> HttpResponse:
     """The metrics of this (web) process and the lease database's gauges, in Prometheus's
     text format: ``path("metrics/", celery_fenced.metrics.view)``. Protect it as your
     other internal endpoints (it names task names, not keys)."""
-    import prometheus_client as prom
-    from django.http import HttpResponse
-    from prometheus_client import multiprocess
-
+    prom = _prometheus()
     registry = prom.CollectorRegistry()
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if directory:  # a multi-process web server (gunicorn): every process's numbers
-        multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+        prom.multiprocess.MultiProcessCollector(registry, path=directory)
     else:
         for metric in METRICS:
             _metric(metric.name)  # made, so the page lists each one from the start

@@ -1,10 +1,11 @@
 """Operating the lease table: state by the database's clock, listing, counting, pruning.
 
 Shared by the admin, ``manage.py fenced`` and ``celery fenced`` so that none of them talks
-to the ORM for writes: the only writes here are :func:`force_release` (which is
-:func:`celery_fenced.store.force_release`) and :func:`prune_events`, which deletes old
+to the ORM for writes: the only write here is :func:`prune_events`, which deletes old
 :class:`~celery_fenced.models.LeaseEvent` rows and never a lease row, so a key's next
-token always stays above every token it issued.
+token always stays above every token it issued. A force-release, the lease database's
+alias and its clock are the store's (:func:`celery_fenced.store.force_release`,
+:func:`~celery_fenced.store.database_alias`, :func:`~celery_fenced.store.database_now`).
 
 A lease's state is never decided with this process's clock: every comparison of
 ``expires_at`` is made inside the query, against the database's ``Now()``.
@@ -20,7 +21,7 @@ from typing import Any, Literal
 from django.db.models import Case, Q, QuerySet, Value, When
 from django.db.models.functions import Now
 
-from celery_fenced import conf, store
+from celery_fenced import conf, permits, store
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 
 HELD = "held"
@@ -30,11 +31,6 @@ STATES = (HELD, EXPIRED, RELEASED)
 
 PRUNE_BATCH_SIZE = 10_000
 COUNT_CAP = 10_000
-
-
-def database_alias(using: str | None = None) -> str:
-    """The database of the lease table (``using``, ``fenced_database`` or the router's)."""
-    return store.database_alias(using)
 
 
 def state_condition(state: str) -> Q:
@@ -105,7 +101,7 @@ def leases(
     using: str | None = None,
 ) -> QuerySet[Lease]:
     """Leases with their state, newest grant first, optionally filtered."""
-    queryset = with_state(Lease._default_manager.using(database_alias(using)).all())
+    queryset = with_state(Lease._default_manager.using(store.database_alias(using)).all())
     if state:
         queryset = queryset.filter(state_condition(state))
     if task:
@@ -117,14 +113,14 @@ def leases(
 
 def find(key: str, *, using: str | None = None) -> Lease | None:
     """The lease row of ``key`` with its state, or None."""
-    return with_state(Lease._default_manager.using(database_alias(using)).filter(key=key)).first()
+    return with_state(
+        Lease._default_manager.using(store.database_alias(using)).filter(key=key)
+    ).first()
 
 
 def permit_rows(head: Lease) -> list[Lease]:
     """The permits of ``head``, a key's own row with permits (``lease_limit``), in order,
     each with its state; none for a plain lease."""
-    from celery_fenced import permits
-
     if not head.permits:
         return []
     names = [permits.permit_key(head.key, i) for i in range(head.permits)]
@@ -147,21 +143,8 @@ def pending_jobs(task_ids: Iterable[str], *, using: str | None = None) -> dict[s
     ids = sorted(set(task_ids))
     if not ids:
         return {}
-    rows = PendingJob._default_manager.using(database_alias(using)).filter(task_id__in=ids)
+    rows = PendingJob._default_manager.using(store.database_alias(using)).filter(task_id__in=ids)
     return dict(rows.values_list("task_id", "job"))
-
-
-def force_release(key: str, *, by: str, using: str | None = None) -> int | None:
-    """End the current grant of ``key`` and fence its holder out (records ``by``).
-
-    Returns the token that was ended, or None when nothing was held.
-    """
-    return store.force_release(key, by=by, using=database_alias(using))
-
-
-def database_now(using: str | None = None) -> dt.datetime:
-    """The database's clock."""
-    return store.database_now(using)
 
 
 def prune_events(
@@ -188,8 +171,8 @@ def prune_events(
         raise ValueError(f"older_than_days must be greater than 0, got {older_than_days!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
-    alias = database_alias(using)
-    cutoff = database_now(alias) - dt.timedelta(days=older_than_days)
+    alias = store.database_alias(using)
+    cutoff = store.database_now(alias) - dt.timedelta(days=older_than_days)
     deleted = store.delete_events_before(alias, cutoff, batch_size=batch_size, progress=progress)
     prune_completions(using=alias)
     store.delete_abandoned_before(alias, cutoff)
@@ -202,9 +185,9 @@ def prune_completions(*, using: str | None = None) -> int:
     They are written only when a second job completes under a key, and cannot match a
     delivery once the window has passed.
     """
-    alias = database_alias(using)
+    alias = store.database_alias(using)
     window = dt.timedelta(seconds=conf.load().duplicate_window)
-    return store.delete_completions_before(alias, database_now(alias) - window)
+    return store.delete_completions_before(alias, store.database_now(alias) - window)
 
 
 def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:
@@ -213,7 +196,7 @@ def task_names(*, using: str | None = None, limit: int = 50) -> list[str]:
     One index seek per name (a loose index scan), not a scan of the whole table.
     """
     names = (
-        Lease._default_manager.using(database_alias(using))
+        Lease._default_manager.using(store.database_alias(using))
         .exclude(task_name="")
         .order_by("task_name")
         .values_list("task_name", flat=True)

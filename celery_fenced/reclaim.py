@@ -32,6 +32,7 @@ from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
 from celery_fenced import context, signals
+from celery_fenced.validators import validate_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -316,7 +317,7 @@ def reclaim_expired(
 
         app = current_app
     settings = conf.load(app)
-    grace = settings.reclaim_grace if grace is None else conf.validate_seconds(grace, "grace")
+    grace = settings.reclaim_grace if grace is None else validate_seconds(grace, "grace")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
     alias = store.database_alias(using)

@@ -60,6 +60,10 @@ lease_duplicate = Signal()
 lease_resent = Signal()
 lease_abandoned = Signal()
 lease_deduplicated = Signal()
+#: not a lease event (nothing recorded, nothing logged): this process holds a grant no
+#: more (released, lost or forgotten), sent once per grant with ``task_name``; the
+#: metrics' live gauge of held leases listens
+grant_ended = Signal()
 
 _NAMES = {
     id(lease_acquired): "lease_acquired",
@@ -105,6 +109,8 @@ def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
 
 def _log_event(signal: Signal, kwargs: dict[str, Any]) -> None:
     name = _NAMES.get(id(signal), "")
+    if not name:
+        return  # not an event (grant_ended)
     kind = name.removeprefix("lease_")
     if kind == "acquired" and kwargs.get("reclaimed_from"):
         kind = "reclaimed"

@@ -8,15 +8,44 @@ sees what the worker will see; :func:`summary` is the worker's one start-up line
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from celery_fenced import conf, hooks
+from celery.app import app_or_default, backends
+from django.db import connections
+
+from celery_fenced import conf, hooks, keys
 from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.execution import FencedExecution
 
 logger = logging.getLogger(__name__)
+
+#: The apps the system checks look at, innermost last (:func:`checking`).
+_checking: list[Any] = []
+
+
+@contextlib.contextmanager
+def checking(app: Any) -> Iterator[None]:
+    """While the system checks run inside it, they check ``app`` (None: the current app)."""
+    if app is not None:
+        _checking.append(app)
+    try:
+        yield
+    finally:
+        if app is not None:
+            _checking.pop()
+
+
+def checked_app() -> Any:
+    """The app the system checks look at: a worker's being started, else the current one."""
+    if _checking:
+        return _checking[-1]
+    return app_or_default()
+
 
 #: Brokers that redeliver an unacknowledged message after a visibility timeout, with the
 #: timeout kombu uses when ``broker_transport_options`` sets none.
@@ -93,9 +122,6 @@ def fenced_tasks(app: Any) -> list[FencedTaskInfo]:
     Raises :class:`FencedConfigurationError` naming the task whose options do not fit
     the settings (say a global ``fenced_renew_interval`` not below its ``lease_ttl``).
     """
-    from celery_fenced import keys
-    from celery_fenced.execution import FencedExecution
-
     settings = conf.load(app)
     found = []
     for name, task in sorted(app.tasks.items()):
@@ -142,9 +168,8 @@ def results_fenced(app: Any) -> bool:
     if name in FENCED_BACKENDS:
         return True
     try:
-        from celery.app import backends
-
         found: Any = backends.by_url(name, app.loader)
+        # not before: it imports django_celery_results' models, absent without the app (E004)
         from celery_fenced.backends import FencedDatabaseBackend
 
         return issubclass(found[0], FencedDatabaseBackend)
@@ -168,13 +193,17 @@ def visibility_timeout(app: Any) -> tuple[str, float] | None:
         return None
 
 
-def database_description() -> str:
-    """The lease database: alias, vendor and name (never a password)."""
-    from django.db import connections
-
+def lease_database() -> str:
+    """The lease database's alias (:func:`celery_fenced.store.database_alias`)."""
+    # on use: the store imports django_celery_results' models, absent until E004 is fixed
     from celery_fenced import store
 
-    alias = store.database_alias()
+    return store.database_alias()
+
+
+def database_description() -> str:
+    """The lease database: alias, vendor and name (never a password)."""
+    alias = lease_database()
     connection = connections[alias]
     params = connection.settings_dict
     where = str(params.get("NAME") or "")

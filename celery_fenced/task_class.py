@@ -8,11 +8,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from celery_fenced import conf, keys
+from celery_fenced import keys, validators
 from celery_fenced.exceptions import FencedConfigurationError
 
 #: a fenced task's options, as class attributes (``@app.task(..., lease_ttl=30)``)
-OPTIONS = tuple(f"lease_{name}" for name in conf.TASK_OPTION_NAMES)
+OPTIONS = tuple(f"lease_{name}" for name in validators.TASK_OPTION_NAMES)
 #: options that a task would silently ignore without their ``lease_`` prefix
 UNPREFIXED = ("on_busy", "renew_interval")
 
@@ -24,27 +24,29 @@ def validate_task_class(cls: type) -> None:
     _names_known(cls, where)
     ttl = cls.__dict__.get("lease_ttl")
     if ttl is not None:
-        conf.validate_ttl(ttl, f"{where} option lease_ttl")
+        validators.validate_positive_seconds(ttl, f"{where} option lease_ttl")
     on_busy = cls.__dict__.get("lease_on_busy")
     if on_busy is not None:
-        conf.validate_on_busy(on_busy, f"{where} option lease_on_busy")
+        validators.validate_on_busy(on_busy, f"{where} option lease_on_busy")
     interval = cls.__dict__.get("lease_renew_interval")
     if interval is not None:
-        conf.validate_renew_interval(
+        validators.validate_renew_interval(
             interval,
-            conf.validate_ttl(getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"),
+            validators.validate_positive_seconds(
+                getattr(cls, "lease_ttl", None) or 1e9, "lease_ttl"
+            ),
             f"{where} option lease_renew_interval",
         )
     reclaim = cls.__dict__.get("lease_reclaim")
     if reclaim is not None:
-        conf.validate_reclaim(reclaim, f"{where} option lease_reclaim")
+        validators.validate_reclaim(reclaim, f"{where} option lease_reclaim")
     outbox = cls.__dict__.get("lease_outbox")
     if outbox is not None:
-        conf.validate_bool(outbox, f"{where} option lease_outbox")
+        validators.validate_bool(outbox, f"{where} option lease_outbox")
     unique = cls.__dict__.get("lease_unique")
     if unique is not None:
-        conf.validate_unique(unique, f"{where} option lease_unique")
-    conf.validate_limit(cls.__dict__.get("lease_limit"), f"{where} option lease_limit")
+        validators.validate_unique(unique, f"{where} option lease_unique")
+    validators.validate_limit(cls.__dict__.get("lease_limit"), f"{where} option lease_limit")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

@@ -67,6 +67,8 @@ class GrantSpan:
 
 @dataclass(frozen=True)
 class Mark:
+    """An event on a token's lane: what happened (``kind``) and when."""
+
     token: int
     at: dt.datetime
     kind: str
@@ -75,6 +77,8 @@ class Mark:
 
 @dataclass(frozen=True)
 class Bar:
+    """One grant drawn as a bar on its token's lane, with its label and tooltip."""
+
     x: float
     y: float
     width: float
@@ -89,6 +93,8 @@ class Bar:
 
 @dataclass(frozen=True)
 class Shape:
+    """A marker drawn on a lane for an anomaly (a takeover, a refusal, a loss)."""
+
     kind: str  # reclaimed / force_released / stale_write_rejected / lost
     x: float
     y: float
@@ -99,6 +105,8 @@ class Shape:
 
 @dataclass(frozen=True)
 class Tick:
+    """A time label under the picture's axis, at ``x``."""
+
     x: float
     label: str
     anchor: str = "middle"  # the last label ends at its tick: never past the picture
@@ -106,6 +114,8 @@ class Tick:
 
 @dataclass
 class Picture:
+    """The whole timeline of one key, laid out for the lease page's SVG."""
+
     key: str
     width: int
     height: int

@@ -2,8 +2,7 @@
 fast on large tables.
 
 Nothing here writes to the lease tables through the ORM: the force-release action and
-button call :func:`celery_fenced.operations.force_release` (that is,
-:func:`celery_fenced.force_release`), and need the permission
+button call :func:`celery_fenced.force_release` (the store's), and need the permission
 ``celery_fenced.force_release_lease``. States are computed by the database's clock.
 """
 
@@ -18,7 +17,8 @@ from django.apps import apps
 if apps.is_installed("django_celery_results"):
     from celery_fenced.admin.display import badge, short_id, when
     from celery_fenced.admin.events import LeaseEventAdmin
-    from celery_fenced.admin.leases import BULK_LIMIT, EVENTS_PER_PAGE, LeaseAdmin
+    from celery_fenced.admin.force_release import BULK_LIMIT
+    from celery_fenced.admin.leases import EVENTS_PER_PAGE, LeaseAdmin
     from celery_fenced.admin.pending import PendingJobAdmin
 
 __all__ = [

@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from celery_fenced import kinds, operations
+from celery_fenced import kinds, store
 from celery_fenced.admin.display import (
     CHANGE_LIST,
     badge,
@@ -52,7 +52,7 @@ class LeaseEventAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Event
     sortable_by = ("at_utc",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[LeaseEvent]:
-        events = super().get_queryset(request).using(operations.database_alias())
+        events = super().get_queryset(request).using(store.database_alias())
         return events.annotate(db_now=Now())
 
     @admin.display(description="at (UTC)", ordering="at")

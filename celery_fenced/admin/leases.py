@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.apps import apps
-from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.contrib.admin.utils import quote, unquote
+from django.contrib import admin
+from django.contrib.admin.utils import quote
 from django.contrib.admin.views.main import ChangeList
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
-from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, URLPattern, path, reverse
+from django.http import HttpRequest, HttpResponse
+from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from celery_fenced import kinds, operations, paging, permits, timeline
+from celery_fenced import kinds, operations, paging, permits, store, timeline
 from celery_fenced.admin import jobs
 from celery_fenced.admin.display import (
     CHANGE_LIST,
@@ -43,6 +39,7 @@ from celery_fenced.admin.filters import (
     StateFilter,
     TaskNameFilter,
 )
+from celery_fenced.admin.force_release import ForceReleaseMixin
 from celery_fenced.models import Lease, LeaseEvent
 
 if TYPE_CHECKING:
@@ -53,7 +50,6 @@ else:
 
 
 EVENTS_PER_PAGE = 50
-BULK_LIMIT = 1000  # leases force-released by one action
 
 
 #: the lease page's field groups: (title, fields)
@@ -82,7 +78,9 @@ class LeaseChangeList(ChangeList):
 
 
 @admin.register(Lease)
-class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModelAdmin):
+class LeaseAdmin(
+    ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, ForceReleaseMixin, LeaseModelAdmin
+):
     list_display = (
         "key_column",
         "token",
@@ -108,7 +106,7 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
     readonly_fields = tuple(name for _, names in FIELD_GROUPS for name in names)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
-        leases = paging.DrillDownQuerySet(self.model, using=operations.database_alias())
+        leases = paging.DrillDownQuerySet(self.model, using=store.database_alias())
         ordering = self.get_ordering(request)
         return operations.with_state(leases.order_by(*ordering) if ordering else leases)
 
@@ -258,103 +256,6 @@ class LeaseAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, LeaseModel
         except NoReverseMatch:
             return None
         return f"{url}?{urlencode({'task_id': task_id})}"
-
-    # -- force release -----------------------------------------------------------------
-    def has_force_release_permission(self, request: HttpRequest) -> bool:
-        return bool(request.user.has_perm(f"{self.opts.app_label}.force_release_lease"))
-
-    @admin.action(permissions=["force_release"], description="Force-release selected leases")
-    def force_release_selected(
-        self, request: HttpRequest, queryset: QuerySet[Lease]
-    ) -> HttpResponse | None:
-        targets = list(queryset.filter(released_at__isnull=True)[: BULK_LIMIT + 1])
-        if len(targets) > BULK_LIMIT:
-            self.message_user(
-                request,
-                f"At most {BULK_LIMIT} leases can be force-released at once; narrow the "
-                "selection with the filters.",
-                messages.ERROR,
-            )
-            return None
-        if not targets:
-            self.message_user(request, "None of the selected leases is held.", messages.WARNING)
-            return None
-        if request.POST.get("post") == "yes":
-            self.force_release_leases(request, targets)
-            return None
-        return self.confirmation(request, targets, bulk=True)
-
-    def force_release_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
-        lease = self.get_object(request, unquote(object_id))
-        if lease is None:
-            raise Http404(f"No lease with id {object_id!r}")
-        if not (
-            self.has_view_permission(request, lease) and self.has_force_release_permission(request)
-        ):
-            raise PermissionDenied
-        change_url = reverse(
-            f"{self.admin_site.name}:celery_fenced_lease_change", args=[quote(lease.pk)]
-        )
-        if request.method == "POST":
-            self.force_release_leases(request, [lease])
-            return HttpResponseRedirect(change_url)
-        return self.confirmation(request, [lease], bulk=False, cancel_url=change_url)
-
-    def force_release_leases(self, request: HttpRequest, leases: Sequence[Lease]) -> None:
-        by = f"admin:{request.user.get_username()}"
-        ended: list[str] = []
-        for lease in leases:
-            token = operations.force_release(lease.key, by=by, using=lease._state.db)
-            if token is None:
-                self.message_user(
-                    request, f"{lease.key} was not held: nothing released.", messages.WARNING
-                )
-                continue
-            ended.append(f"{lease.key} (token {token})")
-            self.log_change(request, lease, f"Force-released token {token} ({by}).")
-        if ended:
-            self.message_user(
-                request,
-                f"Force-released {len(ended)} lease{'s' if len(ended) != 1 else ''}: "
-                f"{', '.join(ended[:20])}{' …' if len(ended) > 20 else ''}. Their holders "
-                "are fenced out: their next renewal, guarded write or result is refused.",
-                messages.SUCCESS,
-            )
-
-    def confirmation(
-        self,
-        request: HttpRequest,
-        leases: Sequence[Lease],
-        *,
-        bulk: bool,
-        cancel_url: str = "",
-    ) -> TemplateResponse:
-        request.current_app = self.admin_site.name
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Force-release leases?" if bulk else f"Force-release {leases[0].key}?",
-            "subtitle": None,
-            "opts": self.opts,
-            "leases": [(lease, self.expires_in(lease)) for lease in leases],
-            "bulk": bulk,
-            "cancel_url": cancel_url,
-            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
-            "media": self.media,
-        }
-        return TemplateResponse(
-            request, "admin/celery_fenced/lease/force_release_confirmation.html", context
-        )
-
-    def get_urls(self) -> list[URLPattern]:
-        info = self.opts.app_label, self.opts.model_name
-        return [
-            path(
-                "<path:object_id>/force-release/",
-                self.admin_site.admin_view(self.force_release_view),
-                name="{}_{}_force_release".format(*info),
-            ),
-            *super().get_urls(),
-        ]
 
     # -- the lease page ----------------------------------------------------------------
     def render_change_form(

@@ -15,7 +15,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from celery_fenced import operations
+from celery_fenced import store
 from celery_fenced.admin import jobs
 from celery_fenced.admin.display import CHANGE_LIST, compact_when, short_id, short_key, when
 from celery_fenced.admin.filters import ExactFirstSearchMixin, FastListMixin, ReadOnlyMixin
@@ -66,7 +66,7 @@ class PendingJobAdmin(ExactFirstSearchMixin, ReadOnlyMixin, FastListMixin, Pendi
     readonly_fields = tuple(name for _, names in FIELD_GROUPS for name in names)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[PendingJob]:
-        pending = super().get_queryset(request).using(operations.database_alias())
+        pending = super().get_queryset(request).using(store.database_alias())
         return pending.annotate(db_now=Now())
 
     # -- the list ----------------------------------------------------------------------

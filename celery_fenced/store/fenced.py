@@ -12,7 +12,7 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import signals
-from celery_fenced.context import _guards
+from celery_fenced.context import open_guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -104,11 +104,11 @@ def fenced_transaction(
             ok, current = dialects.for_alias(alias).prove_current(key, token)
             if not ok:
                 raise Refused(current)
-            marker = _guards.set((*_guards.get(), (alias, key, token)))
+            marker = open_guards.set((*open_guards.get(), (alias, key, token)))
             try:
                 yield
             finally:
-                _guards.reset(marker)
+                open_guards.reset(marker)
     except Refused as refused:
         current = refused.current
         if lease is not None:
@@ -127,12 +127,12 @@ def fenced_transaction(
 
 def in_guard(key: str, token: int) -> bool:
     """True inside a guard() of ``key``/``token`` (its transaction holds the lock)."""
-    return any(k == key and t == token for _, k, t in _guards.get())
+    return any(k == key and t == token for _, k, t in open_guards.get())
 
 
 def in_guard_of_token(token: int) -> bool:
     """True inside a guard() holding ``token``, whatever its key."""
-    return any(t == token for _, _, t in _guards.get())
+    return any(t == token for _, _, t in open_guards.get())
 
 
 @contextmanager

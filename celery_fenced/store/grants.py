@@ -11,7 +11,7 @@ from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F
 
-from celery_fenced import conf, signals
+from celery_fenced import conf, signals, validators
 from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -72,7 +72,7 @@ def acquire(
     Busy when ``limit`` permits are held.
     """
     key = validate_key(key)
-    limit = conf.validate_limit(limit, "limit")
+    limit = validators.validate_limit(limit, "limit")
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
     alias = database_alias(using)

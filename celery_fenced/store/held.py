@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from celery_fenced import metrics, signals
+from celery_fenced import signals
 from celery_fenced.exceptions import LeaseLost
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -215,7 +215,7 @@ class HeldLease:
         """This process holds the grant no more (released, lost, forgotten): once."""
         if not self._ended:
             self._ended = True
-            metrics.lease_ended(self.task_name)
+            signals.send(signals.grant_ended, Lease, task_name=self.task_name)
 
     def forget(self) -> None:
         """Stop holding this grant here without a statement: it expired with nobody taking

@@ -9,7 +9,7 @@ import uuid
 
 from django.db import router
 
-from celery_fenced import conf
+from celery_fenced import conf, permits, validators
 from celery_fenced.exceptions import FencedError
 from celery_fenced.keys import check_key
 from celery_fenced.models import OWNER_MAX_LENGTH, Lease
@@ -39,8 +39,6 @@ def validate_key(key: object) -> str:
 def validate_lease_key(key: object) -> str:
     """:func:`validate_key`, or the key of a permit's row (``lease_limit``): a key, the
     separator and the permit's number."""
-    from celery_fenced import permits
-
     if isinstance(key, str):
         base, index = permits.split(key)
         if index is not None:
@@ -59,6 +57,6 @@ def validate_owner(owner: object) -> str:
 
 def validate_ttl(ttl: object) -> float:
     try:
-        return conf.validate_ttl(ttl, "ttl")
+        return validators.validate_positive_seconds(ttl, "ttl")
     except FencedError as exc:
         raise ValueError(str(exc)) from None

@@ -164,7 +164,7 @@ def recorded_events(
     """The :class:`~celery_fenced.models.LeaseEvent` rows recorded (oldest first), those of
     ``key``, ``kind`` and ``task_id`` when given. Which kinds are recorded depends on
     ``fenced_events``; a worker's events are here too."""
-    rows = LeaseEvent._default_manager.using(operations.database_alias(using)).all()
+    rows = LeaseEvent._default_manager.using(store.database_alias(using)).all()
     if key is not None:
         rows = rows.filter(lease__key=key)
     if kind is not None:

@@ -25,6 +25,7 @@ from celery_fenced import (
     operations,
     paging,
     reclaim,
+    store,
 )
 from celery_fenced.admin import when
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
@@ -74,7 +75,7 @@ def spread(alias: str, key: str, step: dt.timedelta, ttl: float = 30) -> None:
     """Space the events of ``key`` ``step`` apart, ending now (test data for pictures);
     its grant then runs ``ttl`` seconds more."""
     events = list(LeaseEvent.objects.using(alias).filter(lease__key=key).order_by("id"))
-    now = operations.database_now(alias)
+    now = store.database_now(alias)
     lease = Lease.objects.using(alias).get(key=key)
     granted = now - step / 2  # the current grant's, unless an event of it says otherwise
     for i, event in enumerate(events):
@@ -95,7 +96,7 @@ def spread(alias: str, key: str, step: dt.timedelta, ttl: float = 30) -> None:
 def lease_db(alias: str, settings: Any) -> str:
     """Point the lease table (``fenced_database``) at ``alias``."""
     settings.CELERY_FENCED_DATABASE = alias
-    assert operations.database_alias() == alias
+    assert store.database_alias() == alias
     return alias
 
 
@@ -496,7 +497,7 @@ def test_timeline__marks_of_one_moment_are_side_by_side_and_inside_the_picture()
     one_moment = LeaseEvent.objects.filter(lease=lease, kind="stale_write_rejected").get().at
     LeaseEvent.objects.filter(lease=lease, kind="lost").update(at=one_moment)  # not the clock's
     events = list(LeaseEvent.objects.filter(lease=lease).order_by("-at", "-id"))
-    pic = timeline.picture(lease, events, operations.database_now("default"))
+    pic = timeline.picture(lease, events, store.database_now("default"))
     lane_1 = [s for s in pic.shapes if s.kind in ("stale_write_rejected", "lost")]
     assert len(lane_1) == 2
     stale, lost = sorted(lane_1, key=lambda s: s.x)
@@ -584,7 +585,7 @@ def test_admin__a_leases_job_is_shown_while_held_and_after_it_finished(
         task_args=json.dumps("(1207,)"),
         task_kwargs=json.dumps("{'customer': 'ACME-0042'}"),
     )
-    now = operations.database_now(lease_db)
+    now = store.database_now(lease_db)
     PendingJob.objects.using(lease_db).create(  # sent again: the outbox holds it
         task_id="tid-outbox",
         task_name=CHARGE.task,
@@ -627,7 +628,7 @@ def test_admin__pending_jobs_show_times_as_the_lease_pages_do(
 ) -> None:
     """In UTC and the lease pages' format, whatever Django's TIME_ZONE."""
     settings.TIME_ZONE = "America/New_York"
-    now = operations.database_now(lease_db)
+    now = store.database_now(lease_db)
     pending = PendingJob.objects.using(lease_db).create(
         task_id="tid-1",
         task_name=CHARGE.task,

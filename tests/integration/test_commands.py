@@ -246,7 +246,7 @@ def test_commands__help_names_every_subcommand() -> None:
     assert run.exit_code == 0, run.output
     assert "usage: celery fenced" in run.output
     for name in commands.HANDLERS:
-        assert name in commands.HELP, name
+        assert name in cli.HELP, name
         assert f"    {name} " in run.output, run.output
 
 

@@ -57,11 +57,11 @@ def running_under() -> Iterator[Any]:
     markers = []
 
     def run(lease: HeldLease) -> None:
-        markers.append(context._current.set(lease))
+        markers.append(context.current_lease_var.set(lease))
 
     yield run
     for marker in reversed(markers):
-        context._current.reset(marker)
+        context.current_lease_var.reset(marker)
 
 
 @db

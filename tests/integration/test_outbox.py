@@ -18,7 +18,7 @@ from django.db.models import F
 from kombu.exceptions import OperationalError as BrokerDown
 
 from celery_fenced import FencedTask, acquire, reclaim
-from celery_fenced.hooks import on_task_revoked
+from celery_fenced.lifecycle import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
 from tests.conftest import WITH_MARIADB, side_connection

@@ -199,7 +199,7 @@ def noop() -> None:
 
 
 def test_check_tasks__project_passes() -> None:
-    from celery_fenced.checks import check_tasks
+    from celery_fenced.task_checks import check_tasks
 
     assert check_tasks() == []
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_fenced import conf
+from celery_fenced import conf, validators
 from celery_fenced.models import LeaseEvent
 from devtools.workers import BROKER_URLS
 from tests.unit.test_docs_config import code, tables
@@ -97,16 +97,16 @@ def test_docs_claims__fenced_tasks_names_every_task_option_and_their_count() -> 
         r"dicts of the (\w+) \[task options\]\(#task-options\) \(([^)]*)\)",
     )
     listed = re.findall(r"`(\w+)`", found.group(2))
-    assert sorted(listed) == sorted(conf.TASK_OPTION_NAMES)
-    assert number(found.group(1)) == len(conf.TASK_OPTION_NAMES) == len(listed)
+    assert sorted(listed) == sorted(validators.TASK_OPTION_NAMES)
+    assert number(found.group(1)) == len(validators.TASK_OPTION_NAMES) == len(listed)
 
 
 def test_docs_claims__every_task_option_is_accepted_by_the_code_and_no_other() -> None:
     """``TASK_OPTION_NAMES`` (the table's and check E001's list) is what the code takes."""
     merged = inspect.signature(conf.FencedSettings.task_options).parameters
-    assert set(merged) - {"self", "where"} == set(conf.TASK_OPTION_NAMES)
+    assert set(merged) - {"self", "where"} == set(validators.TASK_OPTION_NAMES)
     fields = set(conf.TaskOptions.__dataclass_fields__)
-    assert fields == set(conf.TASK_OPTION_NAMES)
+    assert fields == set(validators.TASK_OPTION_NAMES)
 
 
 # -- admin pages ---------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def constant(path: str) -> int:
         ("admin.md", r"its ([\d,]+) most recent events", "celery_fenced.commands.SHOW_EVENTS"),
         ("admin.md", r"([\d,]+) per statement", "celery_fenced.operations.PRUNE_BATCH_SIZE"),
         ("operations.md", r"in batches of ([\d,]+)", "celery_fenced.operations.PRUNE_BATCH_SIZE"),
-        ("configuration.md", r"from 1 to (\d+) \(not", "celery_fenced.conf.MAX_LIMIT"),
+        ("configuration.md", r"from 1 to (\d+) \(not", "celery_fenced.validators.MAX_LIMIT"),
     ],
 )
 def test_docs_claims__a_number_is_the_codes(page: str, pattern: str, value: str) -> None:

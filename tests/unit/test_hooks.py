@@ -163,7 +163,7 @@ def test_on_worker_init__refuses_green_pools(pool: str) -> None:
 
     from celery import Celery
 
-    from celery_fenced.hooks import on_worker_init
+    from celery_fenced.lifecycle import on_worker_init
 
     worker = SimpleNamespace(app=Celery(set_as_current=False), pool_cls=pool)
     with pytest.raises(SystemExit) as stopped:
@@ -174,7 +174,7 @@ def test_on_worker_init__refuses_green_pools(pool: str) -> None:
 def test_on_worker_init__stops_when_a_task_ttl_is_not_above_the_global_renew_interval() -> None:
     from types import SimpleNamespace
 
-    from celery_fenced.hooks import on_worker_init
+    from celery_fenced.lifecycle import on_worker_init
 
     app = fresh_app(fenced_renew_interval=45)  # mod.build has lease_ttl=30
     for name, task in list(app.tasks.items()):  # shared tasks of the test project too
@@ -208,7 +208,7 @@ def test_on_worker_process_init__keeps_the_tracers_the_pool_built() -> None:
     rebuilt."""
     from celery.app.trace import build_tracer
 
-    from celery_fenced.hooks import on_worker_process_init
+    from celery_fenced.lifecycle import on_worker_process_init
 
     app = fresh_app(fenced_tasks={"mod.*": {"ttl": 5}})
     app.set_current()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from celery_fenced import hooks, owners
+from celery_fenced import lifecycle, owners
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_new_boot__a_worker_start_makes_its_own_at_worker_init() -> None:
     the worker a boot id of its own, even in a process that had one (it imported the
     package and forks workers)."""
     before = owners.boot()
-    hooks.on_worker_init(sender=None)
+    lifecycle.on_worker_init(sender=None)
     assert owners.boot() != before
     assert owners.process_prefix("w", 7) == f"w:{owners.boot()}:7:"
 

@@ -11,7 +11,8 @@ from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_fenced import commands, store, tables
+from celery_fenced import commands, operations, store, tables, terminal
+from celery_fenced.cli import HELP
 from celery_fenced.exceptions import FencedConfigurationError
 
 DATABASE_HELP = "Database alias of the lease table (default: fenced_database, or the router's)."
@@ -19,7 +20,7 @@ JSON_HELP = "Print JSON instead of a table."
 
 
 class Command(BaseCommand):
-    help = commands.HELP
+    help = HELP
 
     def add_arguments(self, parser: CommandParser) -> None:
         subparsers = parser.add_subparsers(
@@ -34,7 +35,9 @@ class Command(BaseCommand):
         listing = subcommand(
             "list", "List leases, newest grant first, with their state by the database's clock."
         )
-        listing.add_argument("--state", choices=commands.STATES, help="Only leases in this state.")
+        listing.add_argument(
+            "--state", choices=operations.STATES, help="Only leases in this state."
+        )
         listing.add_argument("--task", metavar="NAME", help="Only leases of this task name.")
         listing.add_argument(
             "--prefix", metavar="KEY_PREFIX", help="Only keys starting with this."
@@ -109,7 +112,7 @@ class Command(BaseCommand):
         run = commands.HANDLERS[options["subcommand"]]
         # the raw stream: OutputWrapper.write would end every redraw of the bar with "\n"
         tty = cast(TextIO, self.stderr._out) if self.stderr.isatty() else None
-        io = commands.IO(write=self.stdout.write, error=self.stderr.write, progress=tty)
+        io = terminal.IO(write=self.stdout.write, error=self.stderr.write, progress=tty)
         try:
             # before `migrate`: "run migrate", not the driver's error about a table
             with tables.tables_required(store.database_alias(options.get("database"))):
