@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task
 from celery.app.task import Context
@@ -18,6 +18,9 @@ from celery_fenced.task_grant import Granting, delivery_of
 from celery_fenced.task_options import FencedOptions
 from celery_fenced.task_outcomes import DATABASE_RETRIES, UNLIMITED_RETRIES, Outcomes
 from celery_fenced.task_publish import Publishing
+
+if TYPE_CHECKING:
+    from celery_fenced.store import HeldLease
 
 #: what an execution fenced out raises (its grant gone, its write refused): an expected
 #: end, whose refusal or loss is logged once as a warning where it happens; Celery logs
@@ -111,7 +114,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
         renewer().register(lease)
         marker = context._current.set(lease)
         try:
-            retval = super().__call__(*args, **kwargs)  # type: ignore[misc]
+            retval = self._run_body(lease, args, kwargs)
             if not request.called_directly and self._backend_is_fenced():
                 # sent by the backend once it has proven this token current, not by
                 # the tracer before it stores the result
@@ -141,6 +144,11 @@ class FencedExecution(Publishing, Outcomes, Granting):
             context._current.reset(marker)
             if request.called_directly:  # task(...) outside a tracer: nobody else releases
                 self._fenced_release("")
+
+    def _run_body(self, lease: HeldLease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The task's body, run under ``lease``: granted before, settled after (the result
+        backend proves the token with the outcome's write, then releases)."""
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     def _backend_is_fenced(self) -> bool:
         from celery_fenced.backends import FencedDatabaseBackend

@@ -61,7 +61,7 @@ class Granting(FencedOptions):
         # what the reclaimer needs to send the job again, written by the grant itself
         job = reclaim.job_for(self, args, kwargs, key) if options.reclaim else None
         try:
-            return store.acquire(
+            return store.grant(
                 key,
                 connection=store.kept_connection(alias, request),
                 ttl=options.ttl,
