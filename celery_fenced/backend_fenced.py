@@ -8,13 +8,14 @@ from dataclasses import replace
 from typing import Any
 
 from celery import states
+from celery.app.task import Context
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
-from celery_fenced.request_state import carry, state_of
+from celery_fenced.request_state import add_meta, carry, state_of
 from celery_fenced.store import HeldLease
 
 logger = logging.getLogger("celery_fenced.backends")
@@ -22,7 +23,7 @@ logger = logging.getLogger("celery_fenced.backends")
 RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
 
 
-def lease_of(request: Any) -> HeldLease | None:
+def lease_of(request: Context | None) -> HeldLease | None:
     """The grant an execution's request holds (set only by the worker at acquisition)."""
     return state_of(request).lease
 
@@ -40,7 +41,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         task_id: str,
         result: Any,
         status: str,
-        request: Any,
+        request: Context | None,
         lease: HeldLease,
         then: Callable[[], None] | None,
     ) -> bool:
@@ -85,7 +86,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         self,
         task_id: str,
         status: str,
-        request: Any,
+        request: Context | None,
         lease: HeldLease,
         releasing: bool,
         then: Callable[[], None],
@@ -96,7 +97,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             ok, current = store.prove_for_result(lease, task_id, status, releasing=releasing)
             if not ok:
                 raise store.Refused(current)
-            request.meta = {**(getattr(request, "meta", None) or {}), **proof_meta(lease)}
+            add_meta(request, proof_meta(lease))
             carry(request, replace(state_of(request), proven=lease))
             try:
                 # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
@@ -114,7 +115,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
                 )
 
     def _prove_and_write(
-        self, task_id: str, result: Any, status: str, request: Any, lease: HeldLease
+        self, task_id: str, result: Any, status: str, request: Context | None, lease: HeldLease
     ) -> None:
         """The success of :meth:`_in_one_statement`: one statement, or :class:`store.Refused`."""
         meta = proof_meta(lease)
@@ -132,7 +133,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         ok, current = store.release_with_result(lease, status, values, connection=kept)
         if not ok:
             raise store.Refused(current)
-        request.meta = {**(getattr(request, "meta", None) or {}), **meta}
+        add_meta(request, meta)
 
     def _row_fields(
         self,
@@ -140,7 +141,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         result: Any,
         status: str,
         traceback: Any,
-        request: Any,
+        request: Context | None,
         meta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The result row's fields as ``DatabaseBackend._store_result`` computes them.
@@ -165,7 +166,13 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         }
 
     def _write_row(
-        self, task_id: str, result: Any, status: str, traceback: Any, request: Any, using: Any
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        traceback: Any,
+        request: Context | None,
+        using: Any,
     ) -> None:
         """The fenced execution's result row: what ``DatabaseBackend`` writes, in one upsert.
 
@@ -202,7 +209,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         task_id: str,
         result: Any,
         status: str,
-        request: Any,
+        request: Context | None,
         lease: HeldLease,
         current: int | None,
     ) -> None:
@@ -229,10 +236,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         if store.granted_again(lease.key, task_id, lease.token, using=lease.alias):
             return  # a redelivery of the job took another permit of the key: its result
         if status in states.READY_STATES:
-            request.meta = {
-                **(getattr(request, "meta", None) or {}),
-                "stale_fencing_token": lease.token,
-            }
+            add_meta(request, {"stale_fencing_token": lease.token})
 
             def fail() -> None:
                 # No execution of this task id will run again: its FAILURE(StaleToken) —
@@ -291,7 +295,7 @@ def _refused_under(outcome: Any, lease: HeldLease) -> bool:
     )
 
 
-def from_scratch(request: Any) -> Callable[[], None]:
+def from_scratch(request: Context | None) -> Callable[[], None]:
     """A function that gives ``request`` back the children it has now: each attempt at
     settling an outcome (again after a database restart) adds to the trail only what it
     sends, as the first would have."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from celery import states
+from celery.app.task import Context
 from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import exits, owners, store
@@ -21,7 +21,7 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
     by the worker's main process (a hard time limit, a lost pool process, a revoke), or by
     a delivery that failed before its grant."""
 
-    def _first_report(self, task_id: str, state: str, request: Any) -> bool:
+    def _first_report(self, task_id: str, state: str, request: Context | None) -> bool:
         """False for a second report of the end of one execution by the worker's main
         process: Celery reports a hard time limit twice (``Request.on_failure``, then
         ``Request.on_timeout``), and the first one records it, its errbacks and its chord
@@ -38,7 +38,7 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         return False
 
     def _after_the_process_exits(
-        self, task_id: str, state: str, request: Any, drive: Callable[[], None]
+        self, task_id: str, state: str, request: Context | None, drive: Callable[[], None]
     ) -> bool:
         """Whether the report is left to a thread that waits for the pool process it names
         to exit (see :mod:`celery_fenced.exits`): the worker's main process reports a hard
@@ -64,7 +64,7 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         return True
 
     def _report_elsewhere(
-        self, task_id: str, state: str, request: Any, drive: Callable[[], None]
+        self, task_id: str, state: str, request: Context | None, drive: Callable[[], None]
     ) -> None:
         """An untokened final outcome of a fenced task, reported outside its grant (often
         by the worker's main process, whose connections nothing else resets)."""
@@ -79,7 +79,7 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
 
         self._through_outages(task_id, self._untokened_aliases(), attempt)
 
-    def _ended(self, drive: Callable[[], None], state: str, request: Any) -> None:
+    def _ended(self, drive: Callable[[], None], state: str, request: Context | None) -> None:
         """``drive()`` — an untokened final outcome of a fenced task (a time limit, a lost
         worker) — and the end of its row in the outbox with it (handed over when another
         job took its expired grant over): the reclaimer does not send the job again over
@@ -108,7 +108,9 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
                 ending=ending,
             )
 
-    def _job_ended(self, task_id: str, state: str, request: Any) -> store.Delivery | None:
+    def _job_ended(
+        self, task_id: str, state: str, request: Context | None
+    ) -> store.Delivery | None:
         """The delivery whose job a reported FAILURE ends: that of a pool process that
         ended (its hard time limit, its loss), as the execution's own FAILURE would. Its
         copies are then completed duplicates (:func:`store.settle_elsewhere` marks it with
@@ -119,7 +121,8 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         task = self.app.tasks.get(getattr(request, "task", None) or "")
         args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)
         if (
-            state != states.FAILURE
+            request is None
+            or state != states.FAILURE
             or ended is None
             or not ended.owner_prefix
             or not isinstance(task, FencedExecution)
@@ -129,7 +132,7 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
             return None
         return delivery_of(task_id, task.name, args, kwargs, request)
 
-    def _may_record_elsewhere(self, task_id: str, state: str, request: Any) -> bool:
+    def _may_record_elsewhere(self, task_id: str, state: str, request: Context | None) -> bool:
         """A fenced task's outcome reported without its lease: record it, or change nothing.
 
         The worker's main process reports the end of the process that ran the task (a

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from celery import states
+from celery.app.task import Context
 from django.db import router, transaction
 from django_celery_results.backends.database import DatabaseBackend
 
@@ -20,7 +20,7 @@ logger = logging.getLogger("celery_fenced.backends")
 class UntokenedWrites(DatabaseBackend):  # type: ignore[misc]
     """The backend's writes that carry no token: checked against the fenced row (R1)."""
 
-    def _is_fenced(self, request: Any) -> bool:
+    def _is_fenced(self, request: Context | None) -> bool:
         """Whether ``request``'s task is (or may be) fenced: then its writes are checked."""
         from celery_fenced.execution import FencedExecution
 
@@ -32,7 +32,7 @@ class UntokenedWrites(DatabaseBackend):  # type: ignore[misc]
         self,
         task_id: str,
         status: str,
-        request: Any,
+        request: Context | None,
         then: Callable[[], None],
         *,
         over_final: bool = True,

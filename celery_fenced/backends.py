@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import states
+from celery.app.task import Context
 from django.db import DatabaseError, connections, router, transaction
 from django_celery_results.models import TaskResult
 
@@ -58,7 +59,7 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
         self,
         task_id: str,
         result: Any,
-        request: Any = None,
+        request: Context | None = None,
         store_result: bool = True,
         state: str = states.SUCCESS,
     ) -> None:
@@ -81,7 +82,9 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
         self._report(task_id, result, state, request, drive)
         workflow.successors_settled(request)
 
-    def _in_one_statement(self, task_id: str, state: str, request: Any, lease: HeldLease) -> bool:
+    def _in_one_statement(
+        self, task_id: str, state: str, request: Context | None, lease: HeldLease
+    ) -> bool:
         """Whether this success is settled by one statement: proof, release and result row.
 
         Only when it drives nothing (no callback, chain step or chord to count), its
@@ -105,7 +108,7 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
         task_id: str,
         exc: Any,
         traceback: Any = None,
-        request: Any = None,
+        request: Context | None = None,
         store_result: bool = True,
         call_errbacks: bool = True,
         state: str = states.FAILURE,
@@ -123,7 +126,7 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
         self,
         task_id: str,
         reason: str = "",
-        request: Any = None,
+        request: Context | None = None,
         store_result: bool = True,
         state: str = states.REVOKED,
     ) -> None:
@@ -150,7 +153,7 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
 
         self._report(task_id, reason, state, request, drive)
 
-    def _call_task_errbacks(self, request: Any, exc: Any, traceback: Any) -> None:
+    def _call_task_errbacks(self, request: Context | None, exc: Any, traceback: Any) -> None:
         """Celery's errbacks; inside a proven transaction, in a savepoint of their own.
 
         Celery runs an errback of the old ``(request, exc, traceback)`` signature inline
@@ -173,7 +176,12 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
             )
 
     def _report(
-        self, task_id: str, result: Any, state: str, request: Any, drive: Callable[[], None]
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        request: Context | None,
+        drive: Callable[[], None],
     ) -> None:
         """A final outcome: settled under the lease, or checked as an untokened report."""
         lease = lease_of(request)
@@ -193,7 +201,7 @@ class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
         result: Any,
         status: str,
         traceback: Any = None,
-        request: Any = None,
+        request: Context | None = None,
         using: Any = None,
     ) -> Any:
         lease = lease_of(request)

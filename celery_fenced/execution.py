@@ -13,7 +13,7 @@ from django.db import InterfaceError, OperationalError
 from celery_fenced import context, workflow
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.owners import execution_owner
-from celery_fenced.request_state import carry, state_of
+from celery_fenced.request_state import carry, stamp_grant, state_of
 from celery_fenced.task_grant import Granting, delivery_of
 from celery_fenced.task_options import FencedOptions
 from celery_fenced.task_outcomes import DATABASE_RETRIES, UNLIMITED_RETRIES, Outcomes
@@ -85,8 +85,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
                 self.pop_request()  # type: ignore[attr-defined]
         request = self.request
         # A token or key in the message is never trusted: only acquisition sets them.
-        request.fencing_token = None
-        request.lease_key = None
+        stamp_grant(request, None, None)
         carry(request, replace(state_of(request), lease=None))
         options = self.fenced_options()
         task_id = request.id or ""
@@ -108,8 +107,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
             if options.outbox and task_id and not request.called_directly:
                 self._end_pending(alias, task_id)
             raise
-        request.fencing_token = lease.token
-        request.lease_key = key
+        stamp_grant(request, lease.token, key)
         carry(request, replace(state_of(request), lease=lease))
         renewer().register(lease)
         marker = context._current.set(lease)

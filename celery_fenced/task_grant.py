@@ -6,6 +6,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from celery.app.task import Context
 from celery.exceptions import Ignore
 
 from celery_fenced import conf, keys
@@ -24,7 +25,7 @@ class Granting(FencedOptions):
 
     def _lease_key_of(
         self,
-        request: Any,
+        request: Context,
         options: conf.TaskOptions,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -119,7 +120,7 @@ class Granting(FencedOptions):
             logger.warning("could not end the pending row of %s", task_id, exc_info=True)
 
 
-def _message_headers(request: Any) -> Mapping[str, Any]:
+def _message_headers(request: Context) -> Mapping[str, Any]:
     """The custom headers of the message ``request`` runs: Celery's worker makes each an
     attribute of the request (``request.headers`` holds them on Celery 5.5 and later)."""
     fields = vars(request)
@@ -131,7 +132,9 @@ def _message_headers(request: Any) -> Mapping[str, Any]:
     return found
 
 
-def delivery_of(task_id: str, task_name: str, args: Any, kwargs: Any, request: Any) -> Delivery:
+def delivery_of(
+    task_id: str, task_name: str, args: Any, kwargs: Any, request: Context
+) -> Delivery:
     """One delivery of a job: its task id, message digest (with its replacement count) and
     retry count as the body sees it (``request.retries``; the package's own re-sends keep
     it). The execution and the worker's main process reporting its end both name it so,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery.app.task import Context
 
 from celery_fenced import conf
 
@@ -32,7 +33,7 @@ class FencedOptions:
     _fenced_config: dict[str, Any] | None = None
 
     name: str
-    request: Any
+    request: Context
     app: Celery
     run: Any
 

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from celery.app.task import Context
+
 from celery_fenced import context, keys
 from celery_fenced.task_options import FencedOptions
 
@@ -104,7 +106,7 @@ class Publishing(FencedOptions):
         return outbox.in_trail(self.app, result, to_parent)
 
 
-def _same_arguments(request: Any, args: Any, kwargs: Any, serializer: str) -> bool:
+def _same_arguments(request: Context, args: Any, kwargs: Any, serializer: str) -> bool:
     """Whether ``args`` and ``kwargs`` are those of the message ``request`` runs (as that
     message carries them)."""
     had = (list(request.args or ()), dict(request.kwargs or {}))
