@@ -17,6 +17,7 @@ stays its own, as for Celery's own fields.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,3 +66,16 @@ def state_of(request: object) -> RequestState:
 def carry(request: object, state: RequestState) -> None:
     """Put ``state`` on ``request`` (in its ``__dict__``), in place of what it carried."""
     vars(request)[_NAME] = state
+
+
+def add_meta(request: object, fields: Mapping[str, Any]) -> None:
+    """Add ``fields`` to ``request``'s ``meta``: what django-celery-results stores in the
+    result row's ``meta`` (a field Celery's ``Context`` does not declare)."""
+    vars(request)["meta"] = {**(getattr(request, "meta", None) or {}), **fields}
+
+
+def stamp_grant(request: object, token: int | None, key: str | None) -> None:
+    """Set ``request``'s public ``fencing_token`` and ``lease_key`` (None, None: no grant).
+
+    Only acquisition sets them: a token or key a message carries is never trusted."""
+    vars(request).update(fencing_token=token, lease_key=key)

@@ -266,9 +266,9 @@ def reclaim_race(
     from django.db import connections
     from django.db.models import F
 
-    from celery_fenced import acquire
     from celery_fenced.models import Lease
     from celery_fenced.reclaim import reclaim_expired
+    from celery_fenced.store import grant
 
     app = broker_app(broker_url)
     outcomes = []
@@ -281,7 +281,7 @@ def reclaim_race(
         if index == 0 and round_no < rounds - 1:
             leases = Lease.objects.using(alias).filter(key__in=keys)
             for row in leases:
-                acquire(
+                grant(
                     row.key,
                     ttl=60,
                     task_id=row.task_id,

@@ -40,19 +40,55 @@ def acquire(
     task_name: str = "",
     using: str | None = None,
     renew_interval: float | None = None,
-    job: str | None = None,
-    delivery: Delivery | None = None,
-    connection: BaseDatabaseWrapper | None = None,
-    ends_pending: bool = False,
-    stamps_started: bool = False,
     limit: int | None = None,
 ) -> HeldLease:
     """Take the lease on ``key`` for ``ttl`` seconds, or raise :class:`LeaseBusy`.
 
     One atomic statement grants the lease when the key is free, released or expired
-    (by the database's clock) and issues the next fencing token. ``job`` (the encoded
-    job of a task execution, see :mod:`celery_fenced.reclaim`) is stored by that same
-    statement, so the reclaimer can send it again if the grant expires unfinished.
+    (by the database's clock) and issues the next fencing token.
+
+    ``owner``: who holds it (default: this process and thread); ``task_id`` and
+    ``task_name``: what the grant is recorded for (the admin shows them); ``using``: the
+    lease database's alias (default: ``fenced_database``); ``renew_interval``: how often
+    :func:`celery_fenced.renewal.renewer` renews it, when registered there.
+
+    ``limit`` (``lease_limit``): grant one of that many permits of ``key``; the lease
+    held is the permit's row (its ``key`` names the permit: :mod:`celery_fenced.permits`).
+    Busy when ``limit`` permits are held.
+    """
+    return grant(
+        key,
+        ttl=ttl,
+        owner=owner,
+        task_id=task_id,
+        task_name=task_name,
+        using=using,
+        renew_interval=renew_interval,
+        limit=limit,
+    )
+
+
+def grant(
+    key: str,
+    *,
+    ttl: float,
+    owner: str | None = None,
+    task_id: str = "",
+    task_name: str = "",
+    using: str | None = None,
+    renew_interval: float | None = None,
+    limit: int | None = None,
+    job: str | None = None,
+    delivery: Delivery | None = None,
+    connection: BaseDatabaseWrapper | None = None,
+    ends_pending: bool = False,
+    stamps_started: bool = False,
+) -> HeldLease:
+    """:func:`acquire`, with what a task execution's grant carries besides (internal).
+
+    ``job`` (the encoded job of a task execution, see :mod:`celery_fenced.reclaim`) is
+    stored by the granting statement, so the reclaimer can send it again if the grant
+    expires unfinished.
 
     ``delivery`` (a task delivery: task id, message digest, retry count) makes the same
     statement refuse a job that already completed under its lease within
@@ -66,10 +102,6 @@ def acquire(
     pending row (:mod:`celery_fenced.store.outbox`), in the granting statement;
     ``stamps_started`` (a ``lease_unique="until_done"`` task): the grant keeps the row,
     stamped with its token, instead.
-
-    ``limit`` (``lease_limit``): grant one of that many permits of ``key``; the lease
-    held is the permit's row (its ``key`` names the permit: :mod:`celery_fenced.permits`).
-    Busy when ``limit`` permits are held.
     """
     key = validate_key(key)
     limit = validators.validate_limit(limit, "limit")

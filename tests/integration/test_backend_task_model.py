@@ -11,7 +11,7 @@ from django.test.utils import isolate_apps
 from django_celery_results.managers import TaskResultManager
 from django_celery_results.models import TaskResult
 
-from celery_fenced import acquire
+from celery_fenced import store
 from celery_fenced.backends import FencedDatabaseBackend
 from celery_fenced.store import Delivery
 from testproject.celery import app
@@ -58,7 +58,9 @@ def test_own_task_model__fenced_success_is_stored_in_it(
     """Not in django-celery-results' table: the one-statement success (PostgreSQL) writes
     that table only, so a backend with its own model settles the transaction way."""
     backend = type("OwnModelBackend", (FencedDatabaseBackend,), {"TaskModel": own_model})(app=app)
-    lease = acquire("job", ttl=30, task_id="t1", using=alias, delivery=Delivery("t1", "d" * 32, 0))
+    lease = store.grant(
+        "job", ttl=30, task_id="t1", using=alias, delivery=Delivery("t1", "d" * 32, 0)
+    )
     backend.mark_as_done("t1", {"answer": 42}, request=request_for("t1", lease))
     assert not TaskResult.objects.using(alias).filter(task_id="t1").exists()
     assert backend.get_task_meta("t1")["status"] == "SUCCESS"

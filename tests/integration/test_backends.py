@@ -156,7 +156,7 @@ def test_fenced_success__proven_released_and_stored_in_one_statement(
     app.conf.result_extended = True
     plain, fenced = DatabaseBackend(app=app), FencedDatabaseBackend(app=app)
     delivery = Delivery("fenced", "d" * 32, 0)
-    lease = acquire("job", ttl=30, task_id="fenced", using=routed, delivery=delivery)
+    lease = store.grant("job", ttl=30, task_id="fenced", using=routed, delivery=delivery)
     if existing:
         plain.store_result("plain", {"pid": 1}, states.STARTED, request=request_for("plain"))
         fenced.store_result("fenced", {"pid": 1}, states.STARTED, request=request_for("fenced"))
@@ -529,7 +529,7 @@ def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -
     options["server_side_binding"] = True
     try:
         app.conf.result_extended = True
-        lease = acquire(
+        lease = store.grant(
             "job", ttl=30, task_id="t1", using="postgres", delivery=Delivery("t1", "d" * 32, 0)
         )
         with CaptureQueriesContext(connection) as queries:

@@ -13,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.db.models import F
 
-from celery_fenced import LeaseLost, acquire, commands
+from celery_fenced import LeaseLost, acquire, commands, store
 from celery_fenced.models import Lease, LeaseEvent
 from devtools.workers import configure
 from tests.conftest import WITH_MARIADB
@@ -224,7 +224,7 @@ def test_reclaim__resends_an_expired_unfinished_job(alias: str, dry_run: bool) -
 
     configure(app, broker_url=os.environ["FENCED_REDIS_URL"])
     job = encode_job(Job(task="testproject.demo.tasks.probe", args=[], kwargs={}))
-    acquire("job:r", ttl=30, task_id="t-r", task_name="probe", job=job, using=alias)
+    store.grant("job:r", ttl=30, task_id="t-r", task_name="probe", job=job, using=alias)
     Lease.objects.using(alias).filter(key="job:r").update(expires_at=F("acquired_at"))
     out = fenced(
         "reclaim", "--grace", "0", "--database", alias, *(["--dry-run"] if dry_run else [])

@@ -202,7 +202,7 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
 
     from django.db import connections, transaction
 
-    from celery_fenced import acquire, store
+    from celery_fenced import store
     from celery_fenced.reclaim import Job, encode_job
     from celery_fenced.store.dialects.postgresql import PostgreSQL
     from tests.conftest import wait_until_blocked
@@ -215,14 +215,14 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
     def job(name: str) -> str:
         return encode_job(Job("app.tasks.rebuild", [name], {}, {}))
 
-    acquire("k", ttl=30, task_id="a", task_name="app.tasks.rebuild", job=job("a"), using=alias)
+    store.grant("k", ttl=30, task_id="a", task_name="app.tasks.rebuild", job=job("a"), using=alias)
     expire_key(alias, "k")
     errors: list[BaseException] = []
     c_granted: list[Any] = []
     c_commits = threading.Event()
 
     def take(task_id: str, ttl: float) -> Any:
-        return acquire(
+        return store.grant(
             "k",
             ttl=ttl,
             task_id=task_id,

@@ -95,7 +95,7 @@ def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> Non
     the outbox and on the leases, as on PostgreSQL: the second's publish does not replace
     the first's pending row (its job would be sent again under the other's task id), its
     grant does not end the first's row, and a report of one never ends the other's grant."""
-    from celery_fenced import acquire, store
+    from celery_fenced import store
     from celery_fenced.models import PendingJob
     from celery_fenced.store.types import Pending
 
@@ -108,7 +108,7 @@ def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> Non
     store.record_pending(alias, pending(other))
     rows = dict(PendingJob.objects.using(alias).values_list("task_id", "job"))
     assert rows == {one: f'{{"id": "{one}"}}', other: f'{{"id": "{other}"}}'}
-    held = acquire("k", ttl=30, task_id=one, owner="w@h:7:1", using=alias, ends_pending=True)
+    held = store.grant("k", ttl=30, task_id=one, owner="w@h:7:1", using=alias, ends_pending=True)
     assert set(PendingJob.objects.using(alias).values_list("task_id", flat=True)) == {other}
     # the main process reports that the process of ``other`` ended: not ``one``'s grant
     assert store.settle_elsewhere(other, process="w@h:7:", by="worker:failure", using=alias)

@@ -23,6 +23,7 @@ from celery_fenced import (
     fenced_update,
     force_release,
     permits,
+    store,
 )
 from celery_fenced.exceptions import AlreadyCompleted, InvalidLeaseKey
 from celery_fenced.models import Lease, LeaseEvent
@@ -132,13 +133,13 @@ def test_lowering_the_limit__grants_none_above_it(alias: str, dialect: str) -> N
 
 def test_a_completed_job__is_a_duplicate_under_any_permit(alias: str, dialect: str) -> None:
     delivery = Delivery("job-1", "digest-1", 0)
-    first = acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+    first = store.grant("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
     blocker = acquire("k", ttl=30, limit=2, task_id="other", using=alias)
     assert first.release(state="SUCCESS")
     blocker.release()
     acquire("k", ttl=30, limit=2, task_id="other-2", using=alias)  # takes permit 0 again
     with pytest.raises(AlreadyCompleted):
-        acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+        store.grant("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
 
 
 def test_fenced_update__a_row_stamped_by_a_newer_permit_refuses_an_older_one(
@@ -558,11 +559,11 @@ def test_job_completed_under_the_plain_lease__is_a_duplicate_for_permits(
     alias: str, dialect: str
 ) -> None:
     delivery = Delivery("job-1", "digest-1", 0)
-    plain = acquire("k", ttl=30, task_id="job-1", delivery=delivery, using=alias)
+    plain = store.grant("k", ttl=30, task_id="job-1", delivery=delivery, using=alias)
     assert plain.release(state="SUCCESS")
     # the task is deployed with lease_limit=2; job-1's message comes again (acks_late)
     with pytest.raises(AlreadyCompleted):
-        acquire("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
+        store.grant("k", ttl=30, limit=2, task_id="job-1", delivery=delivery, using=alias)
 
 
 # -- 5. the reclaimer and an expired permit: the re-sent job takes the same permit --------

@@ -14,7 +14,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.test.utils import CaptureQueriesContext
 
-from celery_fenced import acquire
+from celery_fenced import acquire, store
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.keys import key_headers
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
@@ -67,7 +67,7 @@ def grant(
 ) -> Any:
     """Grant ``key`` to task ``task_id`` with a recorded job; expire it by default."""
     recorded = Job(TASK, job.get("args", [7]), job.get("kwargs", {"x": 1}), job.get("options", {}))
-    lease = acquire(
+    lease = store.grant(
         key, ttl=30, task_id=task_id, task_name=TASK, job=encode_job(recorded), using=alias
     )
     if expired:
@@ -167,7 +167,9 @@ def test_reclaim__reexecution_takes_next_token_and_max_attempts_abandon_once(
     for attempt in (1, 2):
         assert [d.action for d in reclaim_expired(app, grace=0, using=alias)] == ["resent"]
         # the re-sent message runs: same task id, next token; then it dies again
-        again = acquire("k", ttl=30, task_id="t1", task_name=TASK, job=row(alias).job, using=alias)
+        again = store.grant(
+            "k", ttl=30, task_id="t1", task_name=TASK, job=row(alias).job, using=alias
+        )
         assert (again.token, again.reclaimed_from) == (first.token + attempt, previous)
         previous = again.owner
         assert (row(alias).reclaim_attempts, row(alias).reclaim_state) == (attempt, "")
@@ -365,7 +367,7 @@ def test_claim__is_one_statement_on_postgresql_and_acquire_stays_one() -> None:
     alias = "postgres"
     job = encode_job(Job(TASK, [1], {}, {}))
     with CaptureQueriesContext(connections[alias]) as queries:
-        acquire("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
+        store.grant("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
     assert len(data_statements(queries)) == 1
     expire(alias, "k")
     with CaptureQueriesContext(connections[alias]) as queries:
@@ -460,7 +462,7 @@ def test_reclaim__signals_each_resent_and_abandoned_job(alias: str, dialect: str
         app, _ = recording_app(fenced_reclaim_max=1)
         reclaim_expired(app, grace=0, using=alias)
         job = row(alias).job  # the re-sent message runs, and expires unfinished again
-        acquire("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
+        store.grant("k", ttl=30, task_id="t1", task_name=TASK, job=job, using=alias)
         expire(alias, "k")  # over the maximum now
         reclaim_expired(app, grace=0, using=alias)
     finally:

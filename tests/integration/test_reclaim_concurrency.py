@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from django.db.models import F
 
-from celery_fenced import acquire
+from celery_fenced import store
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import Job, encode_job
 from devtools.workers import reclaim_race
@@ -44,7 +44,7 @@ def test_race__one_message_per_expiry_then_one_abandonment(alias: str) -> None:
     keys = [f"race:{n}" for n in range(JOBS)]
     for n, key in enumerate(keys):
         job = encode_job(Job(TASK, [n], {}, {"queue": queue}))
-        acquire(key, ttl=60, task_id=f"task-{n}", task_name=TASK, job=job, using=alias)
+        store.grant(key, ttl=60, task_id=f"task-{n}", task_name=TASK, job=job, using=alias)
     Lease.objects.using(alias).filter(key__in=keys).update(
         expires_at=F("acquired_at") - dt.timedelta(seconds=1),  # first: MySQL's UPDATE
         acquired_at=F("acquired_at") - dt.timedelta(seconds=2),  # reads what it set

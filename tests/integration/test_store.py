@@ -17,6 +17,7 @@ from celery_fenced import (
     StaleToken,
     acquire,
     force_release,
+    store,
 )
 from celery_fenced import signals as fenced_signals
 from celery_fenced.models import Completion, Lease, LeaseEvent
@@ -641,20 +642,21 @@ def test_acquire__marker_moved_while_the_duplicate_waits_is_seen(
 def test_acquire__store_raises_already_completed_and_marks_the_lease_row(alias: str) -> None:
     from celery_fenced.exceptions import AlreadyCompleted
 
-    lease = acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
+    lease = store.grant("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
     assert lease.delivery == delivery(retries=3)
     assert lease.release(state="SUCCESS")
     row = Lease.objects.using(alias).get(key="job")
     assert (row.completed_digest, row.completed_retries, row.release_state) == ("m1", 3, "SUCCESS")
     with pytest.raises(AlreadyCompleted) as completed:
-        acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
+        store.grant("job", ttl=30, task_id="t1", delivery=delivery(retries=3), using=alias)
     assert (completed.value.key, completed.value.task_id, completed.value.retries) == (
         "job",
         "t1",
         3,
     )
     assert (
-        acquire("job", ttl=30, task_id="t1", delivery=delivery(retries=4), using=alias).token == 2
+        store.grant("job", ttl=30, task_id="t1", delivery=delivery(retries=4), using=alias).token
+        == 2
     )
 
 
@@ -668,7 +670,7 @@ def test_statements__routine_grant_and_release_leave_the_event_table_alone_on_po
     connection = connections["postgres"]
     for task_id in ("t1", "t2"):
         with CaptureQueriesContext(connection) as queries:
-            lease = acquire(
+            lease = store.grant(
                 "k",
                 ttl=30,
                 task_id=task_id,
@@ -687,7 +689,7 @@ def test_statements__routine_grant_and_release_leave_the_event_table_alone_on_po
     assert list(Completion.objects.using("postgres").values_list("digest", flat=True)) == ["t1"]
     for task_id in ("t1", "t2"):
         with pytest.raises(AlreadyCompleted):
-            acquire(
+            store.grant(
                 "k",
                 ttl=30,
                 task_id=task_id,
@@ -723,11 +725,11 @@ def test_release__every_shape_of_the_postgres_statement(
 
     from celery_fenced.store import RESULT_COLUMNS
 
-    first = acquire(
+    first = store.grant(
         "k", ttl=30, task_id="x", delivery=Delivery("x", "X" * 32, 0), using="postgres"
     )
     assert first.release(state="SUCCESS")  # an earlier job's marker on the row
-    lease = acquire(
+    lease = store.grant(
         "k", ttl=30, task_id="t", delivery=Delivery("t", "T" * 32, 0), using="postgres"
     )
     delivery = Delivery("t", "T" * 32, 0) if completing else None

@@ -1,0 +1,310 @@
+"""The fenced result path: an execution's outcome written only under its lease, proven current."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from celery import states
+from celery.app.task import Context
+from django.db import DatabaseError, connections, router, transaction
+from django.db.models.functions import Now
+from django_celery_results.backends.database import DatabaseBackend
+
+from celery_fenced import outbox, store, workflow
+from celery_fenced.exceptions import StaleToken
+from celery_fenced.request_state import add_meta, carry, state_of
+from celery_fenced.store import HeldLease
+
+logger = logging.getLogger("celery_fenced.backends")
+
+RELEASING_STATES = frozenset({*states.READY_STATES, states.RETRY})
+
+
+def lease_of(request: Context | None) -> HeldLease | None:
+    """The grant an execution's request holds (set only by the worker at acquisition)."""
+    return state_of(request).lease
+
+
+def proof_meta(lease: HeldLease) -> dict[str, Any]:
+    """What a result row written under ``lease`` carries in its ``meta``: token and key."""
+    return {"fencing_token": lease.token, "lease_key": lease.key}
+
+
+class FencedWrites(DatabaseBackend):  # type: ignore[misc]
+    """The backend's writes under a lease: prove it current (release it), then write."""
+
+    def _settle(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        request: Context | None,
+        lease: HeldLease,
+        then: Callable[[], None] | None,
+    ) -> bool:
+        """Prove ``lease`` current (and release it, for a final state), then run ``then``.
+
+        One transaction: the lease row first, then the task id's result lock, then what
+        ``then`` writes and sends. Refused: nothing of ``then`` happens, and the refusal
+        is recorded (R2). Returns whether it was proven. Without ``then``, one statement
+        proves, releases and writes the result row (see :meth:`_in_one_statement`).
+        """
+        releasing = status in RELEASING_STATES
+
+        again = from_scratch(request)
+
+        def attempt() -> bool:
+            again()
+            try:
+                if then is None:
+                    self._prove_and_write(task_id, result, status, request, lease)
+                else:
+                    self._prove_then(task_id, status, request, lease, releasing, then)
+            except store.Refused as refused:
+                if (releasing or refused.current == lease.token) and self._settled_by(
+                    task_id, status, lease
+                ):
+                    return True  # a commit whose answer was lost with the connection
+                self._refuse(task_id, result, status, request, lease, refused.current)
+                return False
+            return True
+
+        # A final outcome is settled again when the database is back from a restart or
+        # a failover, instead of turning a done job into a FAILURE.
+        proven = self._through_outages(task_id, [lease.alias], attempt) if releasing else attempt()
+        if proven and releasing:
+            from celery_fenced.renewal import renewer
+
+            renewer().unregister(lease)
+            lease.confirm_released()
+        return proven
+
+    def _prove_then(
+        self,
+        task_id: str,
+        status: str,
+        request: Context | None,
+        lease: HeldLease,
+        releasing: bool,
+        then: Callable[[], None],
+    ) -> None:
+        with transaction.atomic(using=lease.alias):
+            # releasing: one statement proves the token current and releases the grant;
+            # a write that fails below rolls the release back with it
+            ok, current = store.prove_for_result(lease, task_id, status, releasing=releasing)
+            if not ok:
+                raise store.Refused(current)
+            add_meta(request, proof_meta(lease))
+            carry(request, replace(state_of(request), proven=lease))
+            try:
+                # what it sends on (callbacks, chain steps, errbacks, a chord body) goes
+                # out when this transaction commits: a proof that never commits is none
+                with outbox.plain_sends_recorded(lease.alias):
+                    then()
+            finally:
+                carry(request, replace(state_of(request), proven=None))
+            if connections[lease.alias].needs_rollback:
+                # something ``then`` ran swallowed a database error: the commit would
+                # silently be a rollback of the outcome and the release
+                raise DatabaseError(
+                    f"the {status} outcome of task {task_id} was not settled: a "
+                    "database error inside its transaction was swallowed"
+                )
+
+    def _prove_and_write(
+        self, task_id: str, result: Any, status: str, request: Context | None, lease: HeldLease
+    ) -> None:
+        """The success of :meth:`_in_one_statement`: one statement, or :class:`store.Refused`."""
+        meta = proof_meta(lease)
+        fields = self._row_fields(
+            task_id, self.encode_result(result, status), status, None, request, meta
+        )
+        model = self.TaskModel
+        row = model(task_id=task_id, **fields)
+        kept = store.kept_connection(lease.alias, request)
+        connection = kept if kept is not None else connections[lease.alias]
+        values = [
+            field.get_db_prep_save(field.pre_save(row, add=True), connection)
+            for field in map(model._meta.get_field, store.RESULT_COLUMNS)
+        ]
+        ok, current = store.release_with_result(lease, status, values, connection=kept)
+        if not ok:
+            raise store.Refused(current)
+        add_meta(request, meta)
+
+    def _row_fields(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        traceback: Any,
+        request: Context | None,
+        meta: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The result row's fields as ``DatabaseBackend._store_result`` computes them.
+
+        ``meta``: added to the request's ``meta`` for this row.
+        """
+        content_type, content_encoding, encoded = self.encode_content(result)
+        row_meta = {
+            **self._get_meta_from_request(request),
+            **(meta or {}),
+            "children": self.current_task_children(request),
+        }
+        _, _, encoded_meta = self.encode_content(row_meta)
+        return {
+            "content_encoding": content_encoding,
+            "content_type": content_type,
+            "meta": encoded_meta,
+            "result": encoded,
+            "status": status,
+            "traceback": traceback,
+            **self._get_extended_properties(request, traceback),
+        }
+
+    def _write_row(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        traceback: Any,
+        request: Context | None,
+        using: Any,
+    ) -> None:
+        """The fenced execution's result row: what ``DatabaseBackend`` writes, in one upsert.
+
+        The fields come from ``DatabaseBackend``'s own helpers, as in its ``_store_result``;
+        the row is written with one ``INSERT … ON CONFLICT (task_id) DO UPDATE`` (MySQL's
+        ``ON DUPLICATE KEY UPDATE``) instead of
+        the manager's ``get_or_create`` (a ``SELECT``, then an ``INSERT`` in a savepoint):
+        inside the fenced transaction that is two round trips fewer, and a concurrent
+        untokened write of the same task id is settled by the conflict clause. A database
+        without that clause, or a ``STARTED`` write (its start time is the database's
+        ``Now()``), goes through the manager as ``DatabaseBackend`` does.
+        """
+        fields = self._row_fields(task_id, result, status, traceback, request)
+        model = self.TaskModel
+        alias = using or router.db_for_write(model)
+        features = connections[alias].features
+        if status == states.STARTED or not features.supports_update_conflicts:
+            if status == states.STARTED:
+                fields["date_started"] = Now()
+            model._default_manager.store_result(task_id=task_id, using=using, **fields)
+            return
+        # MariaDB and MySQL: ON DUPLICATE KEY UPDATE (task_id is the row's one unique key
+        # besides its id)
+        target = features.supports_update_conflicts_with_target
+        model._default_manager.using(alias).bulk_create(
+            [model(task_id=task_id, **fields)],
+            update_conflicts=True,
+            unique_fields=["task_id"] if target else None,
+            update_fields=[*fields, "date_done"],
+        )
+
+    def _refuse(
+        self,
+        task_id: str,
+        result: Any,
+        status: str,
+        request: Context | None,
+        lease: HeldLease,
+        current: int | None,
+    ) -> None:
+        grant = store.grant_of(lease.key, using=lease.alias)
+        current_task, ended = grant if grant is not None else ("", True)
+        newer = current if current != lease.token else None
+        lease.mark_lost(f"{status} result refused: current token is {current}", warn=False)
+        stale = store.reject_stale(
+            lease.key,
+            lease.token,
+            newer,
+            using=lease.alias,
+            task_id=task_id,
+            owner=lease.owner,
+            what=f"{status} result",
+            task_name=lease.task_name,
+            # the FAILURE of the body's own refused write: that refusal was the warning
+            logged=_refused_under(result, lease),
+        )
+        if current_task == task_id and (newer is not None or not ended):
+            # A redelivery: the newer execution owns this task's result. Or this
+            # execution's own grant expired (a state that is not final): nothing stored.
+            return
+        if store.granted_again(lease.key, task_id, lease.token, using=lease.alias):
+            return  # a redelivery of the job took another permit of the key: its result
+        if status in states.READY_STATES:
+            add_meta(request, {"stale_fencing_token": lease.token})
+
+            def fail() -> None:
+                # No execution of this task id will run again: its FAILURE(StaleToken) —
+                # not the stale execution's outcome — reaches the workflow once (the
+                # chain's remaining steps, the chord, the errbacks), so that a caller
+                # waiting on it gets the error rather than waiting for ever.
+                workflow.restore_successors(request)
+                # this is its outcome: its job, handed to the outbox when the other job
+                # took its key over, is not sent again, and a copy already sent (or
+                # its busy retry) is skipped as a completed duplicate
+                store.forget_pending(lease.alias, task_id)
+                if lease.delivery is not None:
+                    store.mark_ended(lease.alias, lease.delivery)
+                # the row is written as checked, untokened
+                carry(request, replace(state_of(request), lease=None))
+                try:
+                    DatabaseBackend.mark_as_failure(self, task_id, stale, None, request)
+                finally:
+                    carry(request, replace(state_of(request), lease=lease))
+
+            # never over a final outcome already recorded (a REVOKED, another result)
+            self._untokened(task_id, states.FAILURE, request, fail, over_final=False)
+
+    def _settled_by(self, task_id: str, status: str, lease: HeldLease) -> bool:
+        """Whether the ``status`` outcome under ``lease`` committed already: its grant
+        released in that state, or ``task_id``'s row holding a final result written under
+        it (the key granted again since)."""
+        if store.released_as(lease, status):
+            return True
+        row = (
+            self.TaskModel._default_manager.using(router.db_for_write(self.TaskModel))
+            .filter(task_id=task_id, status__in=states.READY_STATES)
+            .values_list("meta", flat=True)
+            .first()
+        )
+        if not row:
+            return False
+        try:
+            meta = self.decode(row)
+        except Exception:
+            return False
+        return (
+            isinstance(meta, dict)
+            and meta.get("fencing_token") == lease.token
+            and meta.get("lease_key") == lease.key
+        )
+
+
+def _refused_under(outcome: Any, lease: HeldLease) -> bool:
+    """Whether ``outcome`` is a write refused under ``lease``'s key and token (logged as
+    a warning when it was refused)."""
+    return (
+        isinstance(outcome, StaleToken)
+        and outcome.key == lease.key
+        and outcome.token == lease.token
+    )
+
+
+def from_scratch(request: Context | None) -> Callable[[], None]:
+    """A function that gives ``request`` back the children it has now: each attempt at
+    settling an outcome (again after a database restart) adds to the trail only what it
+    sends, as the first would have."""
+    children = getattr(request, "children", None)
+    if not isinstance(children, list):
+        return lambda: None
+    before = list(children)
+
+    def again() -> None:
+        children[:] = before
+
+    return again
