@@ -5,126 +5,47 @@
 again, in the caller's transaction when one is open on the lease database, and sends the
 message when that transaction commits: a rolled-back transaction sends nothing and
 leaves nothing. The statement that grants the job's lease deletes the row, so a job is
-pending, granted or finished, never nowhere. The reclaimer sends again a row that no
-worker granted ``fenced_outbox_resend_after`` seconds past its ETA (or its last sending),
-with the same task id: a job lost by the broker (a worker killed between popping a
+pending, granted or finished, never nowhere. The reclaimer's sweep of the rows no worker
+granted (:mod:`celery_fenced.pending`, through :mod:`celery_fenced.resend`) sends them
+again with the same task id: a job lost by the broker (a worker killed between popping a
 message and recording it, a broker restarted without persistence, a broker down at
-publish time) still runs, once.
+publish time) still runs, once. How a publish is sent now (at once, recorded on commit,
+as the running job again) is :mod:`celery_fenced.publish_modes`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connections
-from django.utils import timezone
-from kombu import serialization
 from kombu.exceptions import OperationalError
 
-from celery_fenced import keys, outages, reclaim, results, signals
+from celery_fenced import jobs, keys, outages, results, signals
+from celery_fenced.pending import Resent as Resent
+from celery_fenced.pending import resend_pending as resend_pending
+from celery_fenced.publish_modes import at_once_in_transaction as at_once_in_transaction
+from celery_fenced.publish_modes import in_workflow, recording_plain_alias
+from celery_fenced.publish_modes import is_same_job as is_same_job
+from celery_fenced.publish_modes import plain_recording as plain_recording
+from celery_fenced.publish_modes import plain_sends_recorded as plain_sends_recorded
+from celery_fenced.publish_modes import same_job as same_job
+from celery_fenced.publish_modes import sends_at_once as sends_at_once
+from celery_fenced.publish_modes import unrecorded as unrecorded
 
-#: set while the package sends a message that must not wait for a commit: a retry or a
-#: replacement raised inside the caller's own transaction, which the raise rolls back
-_at_once: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_at_once")
+if TYPE_CHECKING:
+    from celery.result import AsyncResult
 
+    from celery_fenced import store
 
-@contextlib.contextmanager
-def at_once_in_transaction(alias: str) -> Iterator[None]:
-    """Inside it, a publish sends at once, unrecorded, when a transaction is already open
-    on ``alias``: its commit would never come (the exception that follows rolls it back),
-    and the row and the message would go with it. Outside a transaction nothing changes."""
-    # never turns off an outer at-once (``unrecorded``: the database is away)
-    marker = _at_once.set(_at_once.get(False) or connections[alias].in_atomic_block)
-    try:
-        yield
-    finally:
-        _at_once.reset(marker)
-
-
-@contextlib.contextmanager
-def unrecorded() -> Iterator[None]:
-    """Inside it, a publish is sent as Celery sends it, unrecorded: the worker's own
-    re-send of a job after a database error before its grant (the database is away)."""
-    marker = _at_once.set(True)
-    try:
-        yield
-    finally:
-        _at_once.reset(marker)
-
-
-def sends_at_once() -> bool:
-    return _at_once.get(False)
-
-
-#: set while a task re-publishes the job it is running (its retry): a ``lease_unique``
-#: job keeps its place rather than being refused as a copy of itself
-_same_job: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_same_job")
-
-
-def is_same_job() -> bool:
-    """Whether a publish now is the running job again (inside :func:`same_job`)."""
-    return _same_job.get(False)
-
-
-@contextlib.contextmanager
-def same_job() -> Iterator[None]:
-    """Inside it, a publish is the running job again (a retry), not a new copy."""
-    marker = _same_job.set(True)
-    try:
-        yield
-    finally:
-        _same_job.reset(marker)
-
+logger = logging.getLogger(__name__)
 
 #: the message header that marks a plain task's job the outbox holds: the worker that
 #: starts it ends its row (:func:`plain_job_started`)
 PLAIN_HEADER = "fenced_outbox"
-
-#: the lease database alias whose open transaction records plain tasks' publishes
-_recording_plain: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "fenced_outbox_recording_plain"
-)
-
-
-@contextlib.contextmanager
-def plain_sends_recorded(alias: str) -> Iterator[None]:
-    """Inside it, while a transaction is open on the lease database ``alias``, a plain
-    (unfenced) task's publish — Celery's ``app.send_task``, which every plain
-    ``apply_async`` ends in — is recorded in that transaction and sent when it commits,
-    like a fenced job's.
-
-    For what an execution's outcome sends on (callbacks, chain steps, errbacks, a chord
-    body), inside the transaction that proves its token current: a message cannot be
-    taken back, and a proof whose transaction never commits (the process paused in it
-    while the database restarted, then resumed) is no proof — the grant may be
-    another's by then. Sent on commit; its row ends when a worker starts the job (its
-    message carries :data:`PLAIN_HEADER`), so the reclaimer sends it again if the
-    process dies before the send or the broker loses the message — at least once.
-    The app's ``send_task`` (:mod:`celery_fenced.sending`, given to every app) records.
-    """
-    from celery_fenced import store
-
-    if alias != store.database_alias() or not connections[alias].in_atomic_block:
-        yield
-        return
-    marker = _recording_plain.set(alias)
-    try:
-        yield
-    finally:
-        _recording_plain.reset(marker)
-
-
-def plain_recording() -> str | None:
-    """The lease database alias whose open transaction records a plain publish now
-    (inside :func:`plain_sends_recorded`, that transaction still open), or None."""
-    alias = _recording_plain.get(None)
-    return alias if alias is not None and connections[alias].in_atomic_block else None
 
 
 def record_plain(
@@ -207,7 +128,7 @@ def _unrecorded(
     nothing — but a process that dies between the commit and the send loses it. Elsewhere
     ``send_now()``, as Celery sends it. Returns ``result``, the job's handle.
     """
-    if send_now is not None and _recording_plain.get(None) != alias:
+    if send_now is not None and recording_plain_alias() != alias:
         return send_now()
 
     def send() -> None:
@@ -291,15 +212,6 @@ def _sent_or_marked_unsent(
             logger.info("could not mark %s unsent", task_id, exc_info=True)
         return False
     return True
-
-
-if TYPE_CHECKING:
-    from celery import Celery
-    from celery.result import AsyncResult
-
-    from celery_fenced import store
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -397,7 +309,7 @@ def _pending(
         # a retry is the same job; a call that carries a workflow (a chain's next steps,
         # callbacks, a chord or group it belongs to, a frozen id its caller holds) must
         # be sent: refused, its workflow would wait forever. Both take the key if free.
-        same_job=_same_job.get(False) or _in_workflow(options),
+        same_job=is_same_job() or in_workflow(options),
     )
 
 
@@ -414,7 +326,7 @@ def _row(
     uniqueness, ...), or None when JSON cannot carry its job."""
     from celery_fenced import conf, store
 
-    expires = _expiry(options.get("expires"))
+    expires = jobs.expiry(options.get("expires"))
     job = _encoded(app, name, args, kwargs, task_id, options, expires)
     if job is None:
         return None
@@ -422,8 +334,8 @@ def _row(
         task_id=task_id,
         task_name=name,
         job=job,
-        countdown=_seconds(options.get("countdown")),
-        eta=_moment(options.get("eta")),
+        countdown=jobs.seconds(options.get("countdown")),
+        eta=jobs.moment(options.get("eta")),
         expires=expires,
         resend_after=conf.load(app).outbox_resend_after,
         nesting=keys.replacements(options.get("replaced_task_nesting")),
@@ -463,14 +375,6 @@ def _deduplicated(
     return task.result(standing)
 
 
-#: options of a call that is a step of a workflow (chain, callbacks, group, chord)
-WORKFLOW_OPTIONS = ("chain", "link", "link_error", "chord", "group_id")
-
-
-def _in_workflow(options: Mapping[str, Any]) -> bool:
-    return "chain" in options or any(options.get(name) for name in WORKFLOW_OPTIONS)
-
-
 def _encoded(
     app: Any,
     name: str,
@@ -481,23 +385,9 @@ def _encoded(
     expires: float | dt.datetime | None,
 ) -> str | None:
     """The job as the reclaimer sends it again, or None when JSON cannot carry it."""
-    kept = {
-        option: value
-        for option, value in options.items()
-        if option in reclaim.OPTION_NAMES and value is not None and option != "expires"
-    }
-    if "headers" in kept:  # a retry carries its request's: only what JSON can carry
-        kept["headers"] = _portable_headers(kept["headers"])
-        if not kept["headers"]:
-            del kept["headers"]
-    if expires is not None:  # absolute: a later sending keeps the first one's deadline
-        kept["expires"] = (
-            expires
-            if isinstance(expires, dt.datetime)
-            else app.now() + dt.timedelta(seconds=expires)
-        ).isoformat()
+    kept = jobs.recorded_options(app, options, expires)
     try:
-        return reclaim.encode_job(reclaim.Job(name, args, kwargs, kept))
+        return jobs.encode_job(jobs.Job(name, args, kwargs, kept))
     except Exception as exc:
         logger.warning(
             "task %s[%s]: its job cannot be recorded as JSON (%s); sent without the outbox",
@@ -507,191 +397,3 @@ def _encoded(
             extra={"task_id": task_id},
         )
         return None
-
-
-def _portable_headers(headers: Any) -> dict[str, Any]:
-    """The custom message headers a re-sending can carry: string keys, values kombu's
-    ``json`` serializer can write (as the job's); none of a process's own
-    (``_``-prefixed) attributes."""
-    if not isinstance(headers, Mapping):
-        return {}
-    kept = {}
-    for name, value in headers.items():
-        if not isinstance(name, str) or name.startswith("_"):
-            continue
-        try:
-            serialization.dumps(value, serializer="json")
-        except Exception:
-            continue
-        kept[name] = value
-    return kept
-
-
-def _seconds(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _moment(value: Any) -> dt.datetime | None:
-    """An ETA or expiry time as an aware datetime (naive: UTC, as Celery reads it)."""
-    if isinstance(value, str):
-        try:
-            value = dt.datetime.fromisoformat(value)
-        except ValueError:
-            return None
-    if not isinstance(value, dt.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
-
-
-def _expiry(value: Any) -> float | dt.datetime | None:
-    moment = _moment(value)
-    return _seconds(value) if moment is None else moment
-
-
-# -- sending again (the reclaimer) -------------------------------------------------------
-@dataclass(frozen=True)
-class Resent:
-    """What the reclaimer did with one pending job that no worker had granted."""
-
-    task_id: str
-    task_name: str
-    key: str
-    attempt: int  # sendings by the reclaimer so far (this one included)
-    #: "resent", "abandoned", "revoked" (expired: its REVOKED recorded, never sent), or
-    #: "failed" (not sent; the next sweep retries)
-    action: str
-    reason: str = ""
-
-
-def resend_pending(
-    app: Celery | None = None, *, using: str | None = None, limit: int = 100
-) -> list[Resent]:
-    """Send again every pending job due (``fenced_outbox_resend_after`` past its ETA or
-    its last sending) with its task id; abandon it after ``fenced_reclaim_max`` sendings.
-
-    Expired jobs (``expires`` passed ``fenced_outbox_resend_after`` ago, never started)
-    get their ``REVOKED`` outcome, never a sending. Each row is claimed by a
-    conditional statement, so several reclaimers send each due job once.
-    """
-    from celery_fenced import conf, store
-
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    settings = conf.load(app)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be an integer of 1 or more, got {limit!r}")
-    alias = store.database_alias(using)
-    outcomes: list[Resent] = [
-        _revoke_expired(app, alias, row)
-        for row in store.expired_rows(alias, limit, grace=settings.outbox_resend_after)
-    ]
-    while True:
-        claimed, more = store.claim_due(
-            alias, resend_after=settings.outbox_resend_after, limit=limit
-        )
-        batch = [_send_again(app, alias, due, settings.reclaim_max) for due in claimed]
-        outcomes += batch
-        if not more or any(o.action == "failed" for o in batch):
-            return outcomes
-
-
-def _revoke_expired(app: Celery, alias: str, row: tuple[int, str, str, str]) -> Resent:
-    """A pending job whose ``expires`` passed before any worker started it (its message
-    lost, say): record its ``REVOKED`` outcome, as the worker does when an expired message
-    arrives (the result backend, the workflow it belongs to), then end its row; never
-    sent again."""
-    from celery_fenced import store
-
-    row_id, task_id, task_name, job = row
-    recorded: reclaim.Job | None = None
-    with contextlib.suppress(ValueError):
-        recorded = reclaim.decode_job(job)
-    try:
-        reclaim.record_revoked(app, task_id, task_name, recorded)
-    except Exception as exc:
-        logger.warning(
-            "pending job %s[%s] expired: its REVOKED outcome could not be recorded (%s); "
-            "the next sweep tries again",
-            task_name,
-            task_id,
-            exc,
-            extra={"task_id": task_id},
-        )
-        return Resent(task_id, task_name, "", 0, "failed", f"expired: {exc}")
-    store.forget_row(alias, row_id)
-    logger.info(
-        "pending job %s[%s] expired before any worker started it: recorded REVOKED",
-        task_name,
-        task_id,
-        extra={"task_id": task_id},
-    )
-    return Resent(task_id, task_name, "", 0, "revoked", "expired")
-
-
-def _send_again(app: Celery, alias: str, due: store.Due, max_sends: int) -> Resent:
-    from celery_fenced import store
-
-    extra = {"task_id": due.task_id, "lease_key": due.key}
-
-    def outcome(action: str, reason: str = "") -> Resent:
-        return Resent(due.task_id, due.task_name, due.key, due.sends, action, reason)
-
-    def abandoned(reason: str) -> Resent:
-        logger.error(
-            "pending job %s[%s] abandoned: %s", due.task_name, due.task_id, reason, extra=extra
-        )
-        store.abandon_pending(alias, due, reason)
-        _signal(signals.lease_abandoned, due, reason=reason)
-        return outcome("abandoned", reason)
-
-    if due.sends > max_sends:
-        return abandoned(f"never started after {max_sends} re-sends")
-    try:
-        job = reclaim.decode_job(due.job)
-    except ValueError as exc:
-        return abandoned(f"unreadable job: {exc}")
-    later: dict[str, Any] = (
-        {"eta": due.eta} if due.eta is not None and due.eta > timezone.now() else {}
-    )
-    try:
-        reclaim.send_job(app, job, due.task_id, **later)
-    except Exception as exc:
-        logger.warning(
-            "pending job %s[%s]: could not send it again (%r); the next sweep retries",
-            due.task_name,
-            due.task_id,
-            exc,
-            extra=extra,
-        )
-        store.unclaim_due(alias, due)
-        return outcome("failed", repr(exc))
-    logger.warning(
-        "pending job %s[%s] was never started: sent again (attempt %d of %d)",
-        due.task_name,
-        due.task_id,
-        due.sends,
-        max_sends,
-        extra=extra,
-    )
-    if due.plain and not (job.options.get("headers") or {}).get(PLAIN_HEADER):
-        store.forget_pending(alias, due.task_id)  # not held until started: sent, it ends
-    _signal(signals.lease_resent, due, attempt=due.sends)
-    return outcome("resent")
-
-
-def _signal(signal: Any, due: store.Due, **extra: Any) -> None:
-    """A lease signal for a pending job: its key, no token (it was never granted)."""
-    from celery_fenced.models import Lease
-
-    signals.send(
-        signal,
-        Lease,
-        key=due.key,
-        token=None,
-        owner="",
-        task_id=due.task_id,
-        task_name=due.task_name,
-        **extra,
-    )

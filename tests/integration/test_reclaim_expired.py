@@ -16,7 +16,7 @@ import pytest
 from celery import chord
 from django_celery_results.models import ChordCounter, TaskResult
 
-from celery_fenced import reclaim, store
+from celery_fenced import resend, store
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.reclaim import EXPIRED, reclaim_expired
 from tests.conftest import WITH_MARIADB
@@ -203,7 +203,7 @@ def test_revoke_that_fails_once__after_max_resends__tried_again_by_the_next_swee
     expire(lease_db, lease)
     Lease.objects.using(lease_db).filter(pk=lease.pk).update(reclaim_attempts=3)
     until_expired(lease_db, moment)
-    real = reclaim.record_revoked
+    real = resend.record_revoked
     failures = [RuntimeError("the result database is away")]
 
     def record_revoked(*args: Any, **kwargs: Any) -> None:
@@ -211,7 +211,7 @@ def test_revoke_that_fails_once__after_max_resends__tried_again_by_the_next_swee
             raise failures.pop()
         real(*args, **kwargs)
 
-    monkeypatch.setattr(reclaim, "record_revoked", record_revoked)
+    monkeypatch.setattr(resend, "record_revoked", record_revoked)
     assert [o.action for o in reclaim_expired(app, grace=0, using=lease_db)] == ["failed"]
     row = Lease.objects.using(lease_db).get(pk=lease.pk)
     assert (row.released_at, row.reclaim_state) == (None, "")  # claimable again
