@@ -41,7 +41,7 @@ Handler = Callable[[IO, dict[str, Any]], None]
 
 HELP = (
     "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
-    "prune --older-than DAYS, reclaim."
+    "prune --older-than DAYS, reclaim, beat."
 )
 
 
@@ -413,6 +413,12 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def beat(io: IO, options: dict[str, Any]) -> None:
+    from celery_fenced.beat import report  # Django's app registry: loaded when run
+
+    report.beat(io, options)
+
+
 #: subcommand name → the function that runs it, given the parsed options
 HANDLERS: dict[str, Handler] = {
     "list": list_leases,
@@ -420,4 +426,5 @@ HANDLERS: dict[str, Handler] = {
     "release": release,
     "reclaim": reclaim,
     "prune": prune,
+    "beat": beat,
 }

@@ -208,6 +208,10 @@ class FencedSettings:
     default_limit: int | None = None
     #: a worker serves its Prometheus metrics on this port (None: it does not)
     metrics_port: int | None = None
+    #: the lease a fenced beat's leader holds (None: ``"celery-beat:<app main name>"``)
+    beat_key: str | None = None
+    #: seconds the beat leader's lease lasts unrenewed: a standby takes over within it
+    beat_ttl: float = 30.0
 
     @property
     def routine_events(self) -> bool:
@@ -466,6 +470,8 @@ def _load(app: Any) -> FencedSettings:
         ),
         default_limit=validate_limit(raw["fenced_default_limit"], "fenced_default_limit"),
         metrics_port=validate_metrics_port(raw["fenced_metrics_port"], "fenced_metrics_port"),
+        beat_key=validate_beat_key(raw["fenced_beat_key"], "fenced_beat_key"),
+        beat_ttl=validate_ttl(raw["fenced_beat_ttl"], "fenced_beat_ttl"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"
@@ -522,3 +528,15 @@ def _validate_database(alias: object) -> None:
         raise FencedConfigurationError(
             f"fenced_database must name a database alias in DATABASES ({known}), got {alias!r}"
         )
+
+
+def validate_beat_key(value: object, name: str) -> str | None:
+    """``None`` (the default key) or a non-empty lease key for the beat leader."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise FencedConfigurationError(
+            f"{name} must be a non-empty string (the beat leader's lease key) or None, "
+            f"got {value!r}"
+        )
+    return value
