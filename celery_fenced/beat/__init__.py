@@ -11,6 +11,17 @@ tick's job in the outbox: see :mod:`celery_fenced.beat.ticks`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery_fenced.beat.scheduler import FencedScheduler
 
-__all__ = ["FencedScheduler"]
+__all__ = ["FencedDatabaseScheduler", "FencedScheduler"]
+
+
+def __getattr__(name: str) -> Any:
+    # django-celery-beat is optional: its scheduler is imported when asked for
+    if name == "FencedDatabaseScheduler":
+        from celery_fenced.beat.database import FencedDatabaseScheduler
+
+        return FencedDatabaseScheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,6 @@ seconds, is shorter than how late it is).
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import logging
 from typing import Any
@@ -48,6 +47,8 @@ class FencedSchedulerMixin:
         self.alias = store.database_alias(settings.database)
         self.leadership = Leadership(beat_key(app), settings.beat_ttl, alias=self.alias)
         self._known: dict[str, ticks.Known] = {}
+        # the entry each due entry was advanced to (Celery's reserve), until it is sent
+        self._reserved: dict[str, ScheduleEntry] = {}
         self._term = 0
         super().__init__(app, *args, **kwargs)  # type: ignore[call-arg]
 
@@ -78,22 +79,48 @@ class FencedSchedulerMixin:
         self._heap = None  # the next tick orders the entries again
         return True
 
+    def _due_after(self, entry: ScheduleEntry, known: ticks.Known) -> bool:
+        """Whether ``entry`` is due counting from the last tick sent (``known``), when
+        its own last run is older than that tick."""
+        last = entry.last_run_at
+        if known.last_tick is None or (
+            last is not None and maybe_make_aware(last) >= known.last_tick
+        ):
+            return True
+        probe = _shallow(entry)
+        probe.last_run_at = known.last_tick
+        try:
+            return bool(probe.is_due()[0])
+        except Exception:
+            return False
+
     def _continue_from(self, entry: ScheduleEntry, last_tick: dt.datetime) -> None:
         """``entry`` continues after ``last_tick``, the last tick sent by any leader."""
         entry.last_run_at = last_tick
 
+    def reserve(self, entry: Any) -> Any:
+        reserved = super().reserve(entry)  # type: ignore[misc]
+        self._reserved[str(entry.name)] = reserved
+        return reserved
+
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
+        name = str(entry.name)
+        reserved = self._reserved.pop(name, None)
         lease = self.leadership.lease
         if lease is None or not self.leadership.leading():
             return
-        name = str(entry.name)
         options: dict[str, Any] = dict(entry.options or {})
-        reserved = self.schedule.get(name)
-        now = maybe_make_aware(entry.default_now())
-        tick = now
-        if reserved is not None and reserved is not entry and reserved.last_run_at is not None:
+        tick = maybe_make_aware(entry.default_now())
+        if reserved is not None and reserved.last_run_at is not None:
             tick = maybe_make_aware(reserved.last_run_at)
         known = self._known.get(name, ticks.Known(0, None))
+        if not self._due_after(entry, known):
+            # this entry's view is older than the last tick sent (a schedule read again
+            # from its own store): not due after that tick, so nothing is sent now
+            assert known.last_tick is not None
+            self._continue_from(reserved or entry, known.last_tick)
+            self._heap = None
+            return
         late = _lateness(entry)
         expires = options.get("expires")
         skip = isinstance(expires, int | float) and late is not None and late > expires
@@ -107,7 +134,7 @@ class FencedSchedulerMixin:
                     expires,
                 )
                 return None
-            stamped = copy.copy(entry)
+            stamped = _shallow(entry)
             headers = dict(options.get("headers") or {})
             headers.update(
                 {KEY_HEADER: lease.key, TICK_HEADER: tick.isoformat(), TOKEN_HEADER: lease.token}
@@ -139,6 +166,14 @@ class FencedSchedulerMixin:
             super().close()  # type: ignore[misc]
         finally:
             self.leadership.release()
+
+
+def _shallow(entry: ScheduleEntry) -> ScheduleEntry:
+    """A copy of ``entry`` sharing its values (``copy.copy`` rebuilds an entry from
+    Celery's constructor arguments, which django-celery-beat's entries do not take)."""
+    twin: ScheduleEntry = object.__new__(type(entry))
+    twin.__dict__.update(entry.__dict__)
+    return twin
 
 
 def _lateness(entry: Any) -> float | None:
