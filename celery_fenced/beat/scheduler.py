@@ -22,7 +22,7 @@ from django.db import DatabaseError, connections
 from celery_fenced import conf, store
 from celery_fenced.beat import ticks
 from celery_fenced.beat.leader import Leadership
-from celery_fenced.exceptions import StaleToken
+from celery_fenced.exceptions import FencedConfigurationError, InvalidLeaseKey, StaleToken
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,13 @@ KEY_HEADER, TICK_HEADER, TOKEN_HEADER = "fenced_beat_key", "fenced_beat_tick", "
 
 
 def beat_key(app: Any) -> str:
-    """``fenced_beat_key``, by default ``"celery-beat:<app main name>"``."""
-    return conf.load(app).beat_key or f"celery-beat:{app.main}"
+    """``fenced_beat_key``, by default ``"celery-beat:<app main name>"``; an error naming
+    the setting when the lease table cannot store it."""
+    key = conf.load(app).beat_key or f"celery-beat:{app.main}"
+    try:
+        return store.validate_key(key)
+    except InvalidLeaseKey as exc:
+        raise FencedConfigurationError(f"fenced_beat_key: {exc}") from None
 
 
 class FencedSchedulerMixin:

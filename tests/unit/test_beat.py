@@ -61,6 +61,12 @@ def test_beat_settings__a_bad_value_names_the_setting(
     assert fragment in str(error.value)
 
 
+def test_beat_settings__a_key_the_lease_table_cannot_store_names_the_setting() -> None:
+    with pytest.raises(FencedConfigurationError) as error:
+        beat_key(fresh_app(fenced_beat_key="k" * 1000))
+    assert "fenced_beat_key" in str(error.value)
+
+
 def test_tick_task_id__one_per_key_entry_and_tick() -> None:
     tick = dt.datetime(2026, 1, 1, 12, tzinfo=UTC)
     same = tick_task_id("k", "e", tick)
