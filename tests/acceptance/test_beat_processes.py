@@ -31,12 +31,6 @@ TTL = 2.0
 
 
 @pytest.fixture
-def alias() -> str:
-    """PostgreSQL: the scheduler's logic runs on SQLite too (tests/integration/test_beat.py)."""
-    return "postgres"
-
-
-@pytest.fixture
 def start_beat(
     alias: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[[str, dict[str, Any]], Beat]]:
