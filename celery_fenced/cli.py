@@ -17,7 +17,7 @@ from celery import signals
 
 HELP = (
     "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
-    "prune --older-than DAYS, reclaim."
+    "prune --older-than DAYS, reclaim, beat."
 )
 
 

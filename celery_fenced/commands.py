@@ -297,6 +297,12 @@ def _user() -> str:
         return "unknown"
 
 
+def beat(io: terminal.IO, options: dict[str, Any]) -> None:
+    from celery_fenced.beat import report  # Django's app registry: loaded when run
+
+    report.beat(io, options)
+
+
 #: subcommand name → the function that runs it, given the parsed options
 HANDLERS: dict[str, Handler] = {
     "list": list_leases,
@@ -304,4 +310,5 @@ HANDLERS: dict[str, Handler] = {
     "release": release,
     "reclaim": reclaim,
     "prune": prune,
+    "beat": beat,
 }

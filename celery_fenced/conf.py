@@ -23,6 +23,7 @@ from celery_fenced.validators import (
     NEVER_BY_PATTERN,
     TASK_OPTION_NAMES,
     did_you_mean,
+    validate_beat_key,
     validate_bool,
     validate_events,
     validate_limit,
@@ -91,6 +92,10 @@ class FencedSettings:
     default_limit: int | None = None
     #: a worker serves its Prometheus metrics on this port (None: it does not)
     metrics_port: int | None = None
+    #: the lease a fenced beat's leader holds (None: ``"celery-beat:<app main name>"``)
+    beat_key: str | None = None
+    #: seconds the beat leader's lease lasts unrenewed: a standby takes over within it
+    beat_ttl: float = 30.0
 
     @property
     def routine_events(self) -> bool:
@@ -347,6 +352,8 @@ def _load(app: Any) -> FencedSettings:
         ),
         default_limit=validate_limit(raw["fenced_default_limit"], "fenced_default_limit"),
         metrics_port=validate_metrics_port(raw["fenced_metrics_port"], "fenced_metrics_port"),
+        beat_key=validate_beat_key(raw["fenced_beat_key"], "fenced_beat_key"),
+        beat_ttl=validate_positive_seconds(raw["fenced_beat_ttl"], "fenced_beat_ttl"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

@@ -258,3 +258,37 @@ class LeaseEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} token={self.token} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class BeatEntry(models.Model):
+    """A periodic task of a fenced beat (``celery_fenced.beat``): its last sent tick.
+
+    Shared by every host that runs beat under one ``fenced_beat_key``, written only by
+    the leader, under its proven token, in the transaction that records the tick's job
+    in the outbox: a tick is sent once, whoever leads.
+    """
+
+    beat_key = models.CharField(max_length=KEY_MAX_LENGTH, help_text="fenced_beat_key.")
+    name = models.CharField(max_length=200, help_text="The schedule entry's name.")
+    last_tick = models.DateTimeField(
+        null=True, blank=True, help_text="The tick last sent (the leader's clock)."
+    )
+    sends = models.PositiveBigIntegerField(default=0, help_text="Ticks sent so far.")
+    token = models.BigIntegerField(
+        null=True, blank=True, help_text="The leader's fencing token that sent the last tick."
+    )
+    task_id = models.CharField(
+        max_length=255, blank=True, default="", help_text="The task id of the last tick's job."
+    )
+
+    class Meta:
+        verbose_name = "beat entry"
+        verbose_name_plural = "beat entries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["beat_key", "name"], name="celery_fenced_beat_entry_uniq"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.beat_key})"

@@ -157,3 +157,15 @@ def did_you_mean(unknown: set[Any], allowed: tuple[str, ...]) -> str:
     if len(unknown) == 1:
         return f" (did you mean {next(iter(guesses.values()))!r}?)"
     return f" (did you mean {', '.join(f'{g!r} for {n!r}' for n, g in guesses.items())}?)"
+
+
+def validate_beat_key(value: object, name: str) -> str | None:
+    """``None`` (the default key) or a non-empty lease key for the beat leader."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise FencedConfigurationError(
+            f"{name} must be a non-empty string (the beat leader's lease key) or None, "
+            f"got {value!r}"
+        )
+    return value

@@ -32,6 +32,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_celery_results",
+    "django_celery_beat",
     "celery_fenced",
     "testproject.demo",
 ]
@@ -197,3 +198,9 @@ if os.environ.get("FENCED_METRICS_PORT"):  # a worker's Prometheus exporter (the
     CELERY_FENCED_METRICS_PORT = int(os.environ["FENCED_METRICS_PORT"])
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])
+
+# the fenced beat's acceptance tests: a schedule (JSON, seconds for intervals) and a ttl
+if os.environ.get("FENCED_BEAT_SCHEDULE"):
+    CELERY_BEAT_SCHEDULE = json.loads(os.environ["FENCED_BEAT_SCHEDULE"])
+if os.environ.get("FENCED_BEAT_TTL"):
+    CELERY_FENCED_BEAT_TTL = float(os.environ["FENCED_BEAT_TTL"])

@@ -15,6 +15,7 @@ from django.apps import apps
 # autodiscovery, before any system check runs: then nothing is registered, and the check
 # celery_fenced.E004 names the missing app instead.
 if apps.is_installed("django_celery_results"):
+    from celery_fenced.admin.beat import BeatEntryAdmin
     from celery_fenced.admin.display import badge, short_id, when
     from celery_fenced.admin.events import LeaseEventAdmin
     from celery_fenced.admin.force_release import BULK_LIMIT
@@ -24,6 +25,7 @@ if apps.is_installed("django_celery_results"):
 __all__ = [
     "BULK_LIMIT",
     "EVENTS_PER_PAGE",
+    "BeatEntryAdmin",
     "LeaseAdmin",
     "LeaseEventAdmin",
     "PendingJobAdmin",

@@ -16,6 +16,15 @@ Usable without Celery::
 
 from __future__ import annotations
 
+from celery_fenced.store.beat import (
+    BeatHolder,
+    BeatState,
+    advance_beat_entry,
+    all_beat_entries,
+    beat_entries,
+    beat_holder,
+    beat_keys,
+)
 from celery_fenced.store.fenced import (
     Refused,
     fenced_transaction,
@@ -85,6 +94,8 @@ __all__ = [
     "REPLACED",
     "RESULT_COLUMNS",
     "UNRENEWED",
+    "BeatHolder",
+    "BeatState",
     "Claim",
     "Delivery",
     "Due",
@@ -94,6 +105,11 @@ __all__ = [
     "abandon",
     "abandon_pending",
     "acquire",
+    "advance_beat_entry",
+    "all_beat_entries",
+    "beat_entries",
+    "beat_holder",
+    "beat_keys",
     "claim_due",
     "claim_expired",
     "close_kept_connection",

@@ -178,7 +178,7 @@ def test_subcommands__one_parser_for_manage_py_and_celery() -> None:
 
     parser = Command().create_parser("manage.py", "fenced")
     (subparsers,) = [a for a in parser._actions if a.dest == "subcommand"]
-    names = {"list", "show", "release", "prune", "reclaim"}
+    names = {"list", "show", "release", "prune", "reclaim", "beat"}
     assert set(subparsers.choices) == set(commands.HANDLERS) == names
 
 

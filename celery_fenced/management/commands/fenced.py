@@ -12,6 +12,7 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_fenced import commands, operations, store, tables, terminal
+from celery_fenced.beat import report as beat_report
 from celery_fenced.cli import HELP
 from celery_fenced.exceptions import FencedConfigurationError
 
@@ -54,6 +55,8 @@ class Command(BaseCommand):
             action="store_true",
             help="List the outbox's pending jobs instead: published, never started by a worker.",
         )
+
+        subcommand("beat", beat_report.HELP).add_argument("--key", help="This beat key too.")
 
         show = subcommand("show", "Show one lease and its recent events.")
         show.add_argument("key", metavar="KEY", help="The lease key.")

@@ -1,0 +1,42 @@
+"""django-celery-beat's scheduler, fenced: ``celery_fenced.beat:FencedDatabaseScheduler``.
+
+The entries are django-celery-beat's ``PeriodicTask`` rows, read again whenever they
+change (on the leader); which ticks were sent is kept in
+:class:`~celery_fenced.models.BeatEntry`, as for :class:`FencedScheduler`. The leader
+also saves ``last_run_at`` and ``total_run_count`` on the ``PeriodicTask`` rows, as
+django-celery-beat does, for its admin.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from celery.beat import ScheduleEntry
+from celery.utils.time import maybe_make_aware
+from django_celery_beat.schedulers import DatabaseScheduler
+
+from celery_fenced.beat.scheduler import FencedSchedulerMixin
+
+
+class FencedDatabaseScheduler(FencedSchedulerMixin, DatabaseScheduler):  # type: ignore[misc]
+    """django-celery-beat's ``DatabaseScheduler`` on several hosts: one sends."""
+
+    def _continue_from(self, entry: ScheduleEntry, last_tick: dt.datetime) -> None:
+        super()._continue_from(entry, last_tick)
+        model = getattr(entry, "model", None)
+        if model is not None:
+            model.last_run_at = last_tick
+
+    def all_as_schedule(self) -> dict[str, Any]:
+        """The ``PeriodicTask`` rows as entries, each continuing after its last sent tick
+        (their own ``last_run_at`` is saved now and then: it can be older)."""
+        schedule: dict[str, Any] = super().all_as_schedule()
+        for name, entry in schedule.items():
+            known = self._known.get(name)
+            if known is None or known.last_tick is None:
+                continue
+            last = entry.last_run_at
+            if last is None or maybe_make_aware(last) < known.last_tick:
+                self._continue_from(entry, known.last_tick)
+        return schedule

@@ -1,0 +1,132 @@
+"""Three real `celery beat` processes with the fenced scheduler and a real worker: the
+leader paused past its ttl and resumed, the next one killed, a standby started late —
+every tick of a 1-second entry runs once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_fenced.models import BeatEntry, Lease
+from devtools.beats import Beat
+from devtools.workers import wait_for
+from testproject.demo.models import ChaosEntry
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases="__all__"),
+    pytest.mark.workers,
+    pytest.mark.broker("redis"),
+    pytest.mark.timeout(180),
+]
+
+KEY = "celery-beat:testproject"
+TTL = 2.0
+
+
+@pytest.fixture
+def start_beat(
+    alias: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[str, dict[str, Any]], Beat]]:
+    started: list[Beat] = []
+
+    def start(name: str, schedule: dict[str, Any]) -> Beat:
+        beat = Beat(name, database=alias, schedule=schedule, ttl=TTL, log_dir=tmp_path)
+        started.append(beat)
+        return beat
+
+    yield start
+    for beat in started:
+        beat.stop()
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        for beat in started:
+            print(f"--- log of {beat.name}\n{beat.output()[-4000:]}")
+
+
+def leader_pid(alias: str) -> int | None:
+    """The pid in the owner of the beat lease's current grant (None: nobody leads)."""
+    from celery_fenced import store
+
+    row = Lease.objects.using(alias).filter(key=KEY).first()
+    if row is None or row.released_at is not None or row.expires_at <= store.database_now(alias):
+        return None
+    return int(row.owner.split(":")[1])
+
+
+def runs(alias: str) -> Counter[str]:
+    """How many times each tick's task ran."""
+    return Counter(
+        ChaosEntry.objects.using(alias).filter(via="beat").values_list("job", flat=True)
+    )
+
+
+def test_beat__each_tick_runs_once_across_pauses_kills_and_late_standbys(
+    alias: str, start_worker: Any, start_beat: Callable[[str, dict[str, Any]], Beat]
+) -> None:
+    start_worker("w", extra_args=["--include", "testproject.demo.beat_tasks"])
+    schedule = {
+        "tick": {
+            "task": "demo.beat_tick",
+            "schedule": 1.0,
+            "options": {"queue": start_worker.queue},
+        }
+    }
+    beats = {b.pid: b for b in (start_beat(name, schedule) for name in ("a", "b", "c"))}
+    for beat in beats.values():
+        beat.wait_started()
+
+    def ticks_ran(count: int) -> Callable[[], bool]:
+        return lambda: len(runs(alias)) >= count
+
+    wait_for(ticks_ran(3), 30, "three ticks to run")
+    first = wait_for(lambda: leader_pid(alias), 10, "a leader")
+
+    # paused for 3x its ttl: another takes over; resumed, it sends nothing
+    paused = beats[first]
+    paused.pause()
+    paused_at = time.monotonic()
+    second = wait_for(lambda: (p := leader_pid(alias)) not in (None, first) and p, 10, "takeover")
+    before = len(runs(alias))
+    wait_for(ticks_ran(before + 3), 15, "ticks under the second leader")
+    wait_for(lambda: time.monotonic() - paused_at >= 3 * TTL, 10, "three ttls of the pause")
+    paused.resume()
+    wait_for(
+        lambda: "beat no longer leads" in paused.output(), 15, "the resumed leader to step down"
+    )
+
+    # the second leader killed: the third (or the resumed one) takes over
+    beats[second].kill()
+    third = wait_for(lambda: (p := leader_pid(alias)) not in (None, second) and p, 15, "takeover")
+    before = len(runs(alias))
+    wait_for(ticks_ran(before + 2), 15, "ticks under the third leader")
+
+    # a standby started late joins; the leader killed again, a survivor takes over
+    late = start_beat("late", schedule)
+    beats[late.pid] = late
+    late.wait_started()
+    beats[third].kill()
+    wait_for(lambda: leader_pid(alias) not in (None, third), 15, "a last takeover")
+    before = len(runs(alias))
+    wait_for(ticks_ran(before + 2), 15, "ticks under the last leader")
+
+    for beat in beats.values():
+        beat.stop()
+    row = BeatEntry.objects.using(alias).get(beat_key=KEY, name="tick")
+    wait_for(lambda: len(runs(alias)) >= row.sends, 15, "every sent tick to run")
+    counts = runs(alias)
+    print(f"ticks sent {row.sends}, ran {len(counts)}, runs {sum(counts.values())}")
+    assert all(n == 1 for n in counts.values()), f"ticks run twice: {counts.most_common(3)}"
+    assert len(counts) == row.sends
+    ticks = sorted(dt.datetime.fromisoformat(job.removeprefix("beat:")) for job in counts)
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(ticks)]
+    assert min(gaps) >= 0.99, f"two ticks closer than the interval: {gaps}"
+    tokens = set(
+        ChaosEntry.objects.using(alias).filter(via="beat").values_list("token", flat=True)
+    )
+    assert len(tokens) >= 4  # four leaders sent: one token each
