@@ -458,7 +458,7 @@ def test_database_down_before_the_grant__the_retry_is_sent_unrecorded(
     def down(*args: Any, **kwargs: Any) -> Any:
         raise OperationalError("connection refused")
 
-    monkeypatch.setattr(store, "acquire", down)
+    monkeypatch.setattr(store, "grant", down)
     monkeypatch.setattr(store, "record_pending", down)
     deliver(app, broker.one("seams.step"))
     first, again = broker.sent("seams.step")
