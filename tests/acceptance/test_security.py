@@ -88,9 +88,11 @@ SQL = re.compile(r"\b(SELECT|INSERT INTO|UPDATE|DELETE FROM|WHERE|RETURNING|VALU
 class FixedSQL:
     """Decides whether an expression of one module is a fixed SQL fragment.
 
-    Fixed: constants; module names bound to constants or ``Model._meta.db_table``; ``self.X``
-    class constants (upper case); f-strings of fixed parts; ``a if cond else b`` of fixed
-    parts; ``", ".join([fixed] * n)``; local names bound only to fixed values; calls of the
+    Fixed: constants; a statement of a dialect's statements module (``sql.NAME``,
+    ``self.SQL.NAME``: literal constants, checked by ``tests/unit/test_sql_as_data.py``);
+    module names bound to constants or ``Model._meta.db_table``; ``self.X`` class
+    constants (upper case); f-strings of fixed parts; ``a if cond else b`` of fixed parts;
+    ``", ".join([fixed] * n)``; local names bound only to fixed values; calls of the
     module's own methods whose arguments are fixed and whose returns are fixed; a parameter
     every caller passes fixed.
     """
@@ -144,6 +146,8 @@ class FixedSQL:
         if isinstance(node, ast.Name):
             return node.id in self.constants or self._name(node.id, where)
         if isinstance(node, ast.Attribute):
+            if ast.unparse(node.value) in ("sql", "self.SQL") and node.attr.isupper():
+                return True  # a statement of a statements module: tests/unit/test_sql_as_data.py
             return ast.unparse(node.value) == "self" and node.attr in self.class_constants
         if isinstance(node, ast.IfExp):  # a choice between fixed fragments
             return self.fixed(node.body, where) and self.fixed(node.orelse, where)

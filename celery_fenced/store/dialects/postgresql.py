@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from celery_fenced.store.dialects.records import (
     COMPLETION,
@@ -34,7 +34,8 @@ from celery_fenced.store.dialects.records import (
     holder_of,
     released_detail,
 )
-from celery_fenced.store.dialects.sql import SQLDialect
+from celery_fenced.store.dialects.sql import SQLDialect, Statements
+from celery_fenced.store.dialects.statements import postgresql as sql
 
 #: where permits' tokens come from (migration 0007_permits)
 SEQUENCE = "celery_fenced_permit_token"
@@ -50,6 +51,7 @@ def result_lock(task_id: str) -> str:
 class PostgreSQL(SQLDialect):
     """One statement per operation: the state change and its event in one CTE."""
 
+    SQL: ClassVar[Statements] = sql
     NOW = "statement_timestamp()"
     JSON = "%s::jsonb"
 

@@ -1,18 +1,17 @@
-"""What the SQL dialects share: statements built from fragments each dialect fills."""
+"""What the SQL dialects share: the operations whose statements each dialect's statements
+module (:mod:`.statements`) gives under the same names."""
 
 from __future__ import annotations
 
 import abc
 import datetime as dt
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from celery_fenced.store.dialects.records import (
     COMPLETION,
-    EVENT,
     LEASE,
-    PENDING,
     SQL_STATE_ABANDONED,
     SQL_STATE_RESENT,
     Delivery,
@@ -24,10 +23,34 @@ from celery_fenced.store.dialects.records import (
 )
 from celery_fenced.store.dialects.shared import PortableOperations
 
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
+
+
+class Statements(Protocol):
+    """What a statements module gives the shared operations (see each module)."""
+
+    @property
+    def SELECT_NOW(self) -> LiteralString: ...
+    @property
+    def RECORD_PENDING(self) -> LiteralString: ...
+    @property
+    def COMPLETED(self) -> LiteralString: ...
+    @property
+    def RENEW(self) -> LiteralString: ...
+    @property
+    def RECORD_EVENT(self) -> LiteralString: ...
+    @property
+    def IS_CURRENT(self) -> LiteralString: ...
+    @property
+    def CURRENT_TOKEN(self) -> LiteralString: ...
+
 
 class SQLDialect(PortableOperations):
     """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
 
+    #: the dialect's statements module
+    SQL: ClassVar[Statements]
     NOW: str
     JSON: str
 
@@ -42,24 +65,36 @@ class SQLDialect(PortableOperations):
         plus the countdown) plus ``resend_after``; a re-publish of the task id (a retry)
         starts the row afresh.
         """
-        eta, relative_expiry = pending.eta, isinstance(pending.expires, int | float)
-        values = f"""INSERT INTO {PENDING} (task_id, task_name, key, job, published_at, eta,
-                    expires_at, resend_at, sends, unsent, abandoned_at, abandoned_reason,
-                    unique_key, unique_until, started_token, plain, nesting)
-                VALUES (%s, %s, %s, %s, {self.NOW},
-                        {"%s" if eta is not None or not pending.countdown else self.expiry("%s")},
-                        {self.expiry("%s") if relative_expiry else "%s"},
-                        {"%s" if eta is not None else self.expiry("%s")},
-                        0, %s, NULL, '', NULL, '', NULL, %s, %s)"""
-        params = self._pending_params(pending, unique=False)
-        self._fetch(
-            f"""{values}
-                ON CONFLICT (task_id) DO UPDATE SET {self._pending_reset()},
-                    unique_key = NULL, unique_until = '', started_token = NULL,
-                    plain = excluded.plain
-                RETURNING id""",
-            params,
-        )
+        self._fetch(self.SQL.RECORD_PENDING, self._pending_fields(pending, unique=False))
+
+    def _pending_fields(self, pending: Pending, *, unique: bool) -> dict[str, Any]:
+        """The parameters of a pending row's ``INSERT``: its ETA, expiry and resend time
+        given (``*_at``) or in seconds from now (``*_in``); ``unique``: with its key in
+        ``unique_key`` and its mode (``lease_unique``)."""
+        adapt = self.connection.ops.adapt_datetimefield_value
+        expires, eta = pending.expires, pending.eta
+        after = pending.resend_after
+        return {
+            "task_id": pending.task_id,
+            "task_name": pending.task_name[:255],
+            "key": pending.key,
+            "job": pending.job,
+            "eta_at": adapt(eta) if eta is not None else None,
+            "eta_in": self.ttl_param(pending.countdown)
+            if eta is None and pending.countdown
+            else None,
+            "expires_at": None if isinstance(expires, int | float) else adapt(expires),
+            "expires_in": self.ttl_param(expires) if isinstance(expires, int | float) else None,
+            "resend_at": adapt(eta + dt.timedelta(seconds=after)) if eta is not None else None,
+            "resend_in": None
+            if eta is not None
+            else self.ttl_param((pending.countdown or 0.0) + after),
+            "unsent": False,
+            "unique_key": pending.key if unique else None,
+            "unique_until": (pending.unique or "") if unique else "",
+            "plain": pending.plain,
+            "nesting": pending.nesting,
+        }
 
     def _pending_params(self, pending: Pending, *, unique: bool) -> list[Any]:
         """The parameters of a pending row's ``INSERT … VALUES``; ``unique``: with its key
@@ -98,13 +133,13 @@ class SQLDialect(PortableOperations):
                     sends = 0, unsent = excluded.unsent, abandoned_at = NULL,
                     abandoned_reason = '', nesting = excluded.nesting"""
 
-    def _fetch(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
 
     def now(self) -> dt.datetime:
-        return aware(self._fetch(f"SELECT {self.NOW}", [])[0][0])
+        return aware(self._fetch(self.SQL.SELECT_NOW, {})[0][0])
 
     def _upsert(
         self, unless_completed: bool = False, *, routine: bool = False, unchanged: bool = False
@@ -214,12 +249,16 @@ class SQLDialect(PortableOperations):
         return [delivery.digest, delivery.retries, self.ttl_param(window)]
 
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
-        rows = self._fetch(
-            f"""SELECT 1 FROM {LEASE} l WHERE l.key = %s AND {self._marked_sql("l")}
-                UNION ALL {self._completed_sql()}""",
-            [key, *self._marked_params(delivery, window), *self._marked_params(delivery, window)],
-        )
-        return bool(rows)
+        return bool(self._fetch(self.SQL.COMPLETED, self._marked_fields(key, delivery, window)))
+
+    def _marked_fields(self, key: str, delivery: Delivery, window: float) -> dict[str, Any]:
+        """The parameters naming a completed job: the key, digest, retries, window."""
+        return {
+            "key": key,
+            "digest": delivery.digest,
+            "retries": delivery.retries,
+            "window": self.ttl_param(window),
+        }
 
     def _grant_params(self, request: GrantRequest) -> tuple[bool, list[Any]]:
         """Whether the grant checks for a completed duplicate, and its parameters."""
@@ -279,11 +318,19 @@ class SQLDialect(PortableOperations):
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         if not leases:
             return {}
-        params: list[Any] = []
-        for lease in leases:
-            params += [lease.key, lease.token, lease.owner, self.ttl_param(lease.ttl)]
-        rows = self._fetch(self._renew_sql(len(leases)), params)
+        rows = self._fetch(self.SQL.RENEW, self._renew_fields(leases))
         return {(key, token): aware(expires) for key, token, expires in rows}
+
+    def _renew_fields(self, leases: Sequence[Renewal]) -> dict[str, Any]:
+        """The leases to renew, as the dialect's ``RENEW`` takes them."""
+        return {
+            "leases": json.dumps(
+                [
+                    [lease.key, lease.token, lease.owner, self.ttl_param(lease.ttl)]
+                    for lease in leases
+                ]
+            )
+        }
 
     def ttl_param(self, ttl: float) -> Any:
         return ttl
@@ -341,21 +388,21 @@ class SQLDialect(PortableOperations):
         detail: dict[str, Any],
     ) -> None:
         self._fetch(
-            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                SELECT id, %s, %s, %s, %s, {self.NOW}, {self.JSON}
-                FROM {LEASE} WHERE key = %s RETURNING id""",
-            [kind, token, task_id, owner, json.dumps(detail), key],
+            self.SQL.RECORD_EVENT,
+            {
+                "kind": kind,
+                "token": token,
+                "task_id": task_id,
+                "owner": owner,
+                "detail": json.dumps(detail),
+                "key": key,
+            },
         )
 
     def is_current(self, key: str, token: int, owner: str) -> bool:
-        rows = self._fetch(
-            f"""SELECT 1 FROM {LEASE} WHERE key = %s AND token = %s AND owner = %s
-                AND released_at IS NULL AND expires_at > {self.NOW}""",
-            [key, token, owner],
-        )
-        return bool(rows)
+        return bool(self._fetch(self.SQL.IS_CURRENT, {"key": key, "token": token, "owner": owner}))
 
     def _current_token(self, key: str) -> int | None:
         """The key's current (or last) token, for the report of a refused write."""
-        rows = self._fetch(f"SELECT token FROM {LEASE} WHERE key = %s", [key])
+        rows = self._fetch(self.SQL.CURRENT_TOKEN, {"key": key})
         return rows[0][0] if rows else None

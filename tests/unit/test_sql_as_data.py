@@ -1,0 +1,150 @@
+"""SQL as data: each dialect's statements are literal constants with named parameters,
+and the converted dialects execute only those.
+
+Server-free: the modules are read as source (the AST) and imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "celery_fenced"
+DIALECTS = PACKAGE / "store" / "dialects"
+STATEMENTS = sorted(p for p in (DIALECTS / "statements").glob("*.py") if p.stem != "__init__")
+#: the dialect modules that execute only statements of their statements module
+CONVERTED = [DIALECTS / "sqlite.py"]
+EXECUTING = ("execute", "_fetch", "raw", "extra")
+PLACEHOLDER = re.compile(r"%(\(\w+\)s|%)")
+
+
+def literal(node: ast.expr, names: set[str]) -> bool:
+    """Whether ``node`` is a string literal, a constant defined before, or their sum."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return literal(node.left, names) and literal(node.right, names)
+    return False
+
+
+def not_literal(source: str) -> list[str]:
+    """What, in a statements module's source, is not a literal constant."""
+    names: set[str] = set()
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and (
+            node.module in ("__future__", "typing")
+            or (node.module or "").startswith("celery_fenced.store.dialects.statements.")
+        ):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            continue  # the LiteralString import
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.value is not None
+            and ast.unparse(node.annotation) == "LiteralString"
+            and literal(node.value, names)
+        ):
+            names.add(node.target.id)
+        else:
+            found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def statement_sources(path: Path) -> list[str]:
+    """The SQL argument of every executing call in a dialect module that is not a
+    statement of a statements module (``sql.NAME``, ``self.SQL.NAME``, or a choice of
+    them), nor ``_fetch``'s own parameter."""
+    found = []
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        for node in ast.walk(function):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in EXECUTING
+                and node.args
+                and not named_statement(node.args[0])
+                and not (function.name == "_fetch" and ast.unparse(node.args[0]) == "sql")
+            ):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.args[0])[:80]}")
+    return found
+
+
+def named_statement(node: ast.expr) -> bool:
+    if isinstance(node, ast.IfExp):
+        return named_statement(node.body) and named_statement(node.orelse)
+    text = ast.unparse(node)
+    return re.fullmatch(r"(sql|self\.SQL)\.[A-Z][A-Z0-9_]*", text) is not None
+
+
+@pytest.mark.parametrize("path", STATEMENTS, ids=[p.name for p in STATEMENTS])
+def test_statements__module_holds_only_literal_constants(path: Path) -> None:
+    assert not_literal(path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", STATEMENTS, ids=[p.name for p in STATEMENTS])
+def test_statements__parameters_are_named(path: Path) -> None:
+    module = importlib.import_module(f"celery_fenced.store.dialects.statements.{path.stem}")
+    statements = {k: v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    assert statements
+    positional = {name: sql for name, sql in statements.items() if "%s" in sql}
+    assert positional == {}
+    # every ``%`` is a named parameter or an escaped ``%%``
+    stray = {name: sql for name, sql in statements.items() if "%" in PLACEHOLDER.sub("", sql)}
+    assert stray == {}
+
+
+def test_statements__name_the_models_tables() -> None:
+    from celery_fenced.store.dialects import records
+
+    text = " ".join(path.read_text() for path in STATEMENTS)
+    tables = set(re.findall(r"\b(?:celery_fenced_\w+|django_celery_results_\w+)\b", text))
+    models = {records.LEASE, records.EVENT, records.COMPLETION, records.PENDING, records.RESULT}
+    assert tables <= models
+    assert {records.LEASE, records.EVENT} <= tables
+
+
+@pytest.mark.parametrize("path", CONVERTED, ids=[p.name for p in CONVERTED])
+def test_dialect__executes_only_named_statements(path: Path) -> None:
+    assert statement_sources(path) == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'X: LiteralString = f"SELECT {key}"',
+        'X: LiteralString = "SELECT " + str(key)',
+        'X: LiteralString = "SELECT %s" % key',
+        'X: LiteralString = " ".join(["SELECT"])',
+        "X = make()",
+    ],
+    ids=["fstring", "call", "format", "join", "unannotated-call"],
+)
+def test_checker__catches_a_runtime_value_in_a_statements_module(source: str) -> None:
+    assert not_literal(source)
+
+
+def test_checker__catches_sql_spliced_into_a_converted_dialect(tmp_path: Path) -> None:
+    source = CONVERTED[0].read_text()
+    spliced = source.replace(
+        "self._fetch(sql.CURRENT_TOKEN",
+        "self._fetch(f\"SELECT token FROM t WHERE key = '{key}'\"",
+        1,
+    )
+    if spliced == source:
+        spliced = source.replace("self._fetch(sql.PROVE_CURRENT", 'self._fetch("SELECT " + key', 1)
+    assert spliced != source
+    path = tmp_path / "spliced.py"
+    path.write_text(spliced)
+    assert statement_sources(path)
