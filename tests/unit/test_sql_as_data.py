@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_fenced"
 DIALECTS = PACKAGE / "store" / "dialects"
 STATEMENTS = sorted(p for p in (DIALECTS / "statements").glob("*.py") if p.stem != "__init__")
 #: the dialect modules that execute only statements of their statements module
-CONVERTED = [DIALECTS / "sqlite.py"]
-EXECUTING = ("execute", "_fetch", "raw", "extra")
+CONVERTED = [DIALECTS / "sqlite.py", DIALECTS / "postgresql.py"]
+EXECUTING = ("execute", "_fetch", "raw", "extra", "_unless_conflicting")
 PLACEHOLDER = re.compile(r"%(\(\w+\)s|%)")
 
 
@@ -31,6 +31,13 @@ def literal(node: ast.expr, names: set[str]) -> bool:
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return literal(node.left, names) and literal(node.right, names)
     return False
+
+
+def constant(node: ast.expr) -> bool:
+    """Whether ``node`` is a constant or a tuple of them (a variant's key)."""
+    if isinstance(node, ast.Tuple):
+        return all(constant(element) for element in node.elts)
+    return isinstance(node, ast.Constant)
 
 
 def not_literal(source: str) -> list[str]:
@@ -55,6 +62,15 @@ def not_literal(source: str) -> list[str]:
             and literal(node.value, names)
         ):
             names.add(node.target.id)
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(node.value, ast.Dict)
+            and re.fullmatch(r"Mapping\[.*, LiteralString\]", ast.unparse(node.annotation))
+            and all(key is not None and constant(key) for key in node.value.keys)
+            and all(literal(value, names) for value in node.value.values)
+        ):
+            names.add(node.target.id)  # a statement's variants, by a key of constants
         else:
             found.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
     return found
@@ -62,8 +78,9 @@ def not_literal(source: str) -> list[str]:
 
 def statement_sources(path: Path) -> list[str]:
     """The SQL argument of every executing call in a dialect module that is not a
-    statement of a statements module (``sql.NAME``, ``self.SQL.NAME``, or a choice of
-    them), nor ``_fetch``'s own parameter."""
+    statement of a statements module (``sql.NAME``, ``self.SQL.NAME``, a variant
+    ``sql.NAME[key]``, or a choice of them), nor an executing method's own statement
+    parameter passed on (its callers are checked)."""
     found = []
     for function in ast.walk(ast.parse(path.read_text())):
         if not isinstance(function, ast.FunctionDef):
@@ -75,15 +92,27 @@ def statement_sources(path: Path) -> list[str]:
                 and node.func.attr in EXECUTING
                 and node.args
                 and not named_statement(node.args[0])
-                and not (function.name == "_fetch" and ast.unparse(node.args[0]) == "sql")
+                and not passed_on(function, node.args[0])
             ):
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node.args[0])[:80]}")
     return found
 
 
+def passed_on(function: ast.FunctionDef, node: ast.expr) -> bool:
+    """Whether ``node`` is an executing method's statement parameter (after ``self``)."""
+    parameters = function.args.args[1:2]
+    return (
+        function.name in EXECUTING
+        and isinstance(node, ast.Name)
+        and [p.arg for p in parameters] == [node.id]
+    )
+
+
 def named_statement(node: ast.expr) -> bool:
     if isinstance(node, ast.IfExp):
         return named_statement(node.body) and named_statement(node.orelse)
+    if isinstance(node, ast.Subscript):  # a variant, by its key
+        node = node.value
     text = ast.unparse(node)
     return re.fullmatch(r"(sql|self\.SQL)\.[A-Z][A-Z0-9_]*", text) is not None
 
@@ -96,7 +125,13 @@ def test_statements__module_holds_only_literal_constants(path: Path) -> None:
 @pytest.mark.parametrize("path", STATEMENTS, ids=[p.name for p in STATEMENTS])
 def test_statements__parameters_are_named(path: Path) -> None:
     module = importlib.import_module(f"celery_fenced.store.dialects.statements.{path.stem}")
-    statements = {k: v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    statements = {
+        f"{name}[{key!r}]": sql
+        for name, value in vars(module).items()
+        if name.isupper()
+        for key, sql in (value.items() if isinstance(value, dict) else [(None, value)])
+        if isinstance(sql, str)
+    }
     assert statements
     positional = {name: sql for name, sql in statements.items() if "%s" in sql}
     assert positional == {}
@@ -111,6 +146,7 @@ def test_statements__name_the_models_tables() -> None:
     text = " ".join(path.read_text() for path in STATEMENTS)
     tables = set(re.findall(r"\b(?:celery_fenced_\w+|django_celery_results_\w+)\b", text))
     models = {records.LEASE, records.EVENT, records.COMPLETION, records.PENDING, records.RESULT}
+    models.add("celery_fenced_permit_token")  # permits' sequence (migration 0007_permits)
     assert tables <= models
     assert {records.LEASE, records.EVENT} <= tables
 
@@ -128,8 +164,10 @@ def test_dialect__executes_only_named_statements(path: Path) -> None:
         'X: LiteralString = "SELECT %s" % key',
         'X: LiteralString = " ".join(["SELECT"])',
         "X = make()",
+        'X: Mapping[bool, LiteralString] = {True: f"SELECT {key}"}',
+        'X: Mapping[str, LiteralString] = {key: "SELECT 1"}',
     ],
-    ids=["fstring", "call", "format", "join", "unannotated-call"],
+    ids=["fstring", "call", "format", "join", "unannotated-call", "variant", "variant-key"],
 )
 def test_checker__catches_a_runtime_value_in_a_statements_module(source: str) -> None:
     assert not_literal(source)

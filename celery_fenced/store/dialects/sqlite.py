@@ -35,22 +35,9 @@ class SQLite(SQLDialect):
     """
 
     SQL: ClassVar[Statements] = sql
-    NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
-    JSON = "%s"
-
-    def expiry(self, ttl_sql: str) -> str:
-        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
-
-    def remaining(self, column: str) -> str:
-        # both times are whole milliseconds; julianday's double is off by up to ~50 µs
-        # at today's dates (30.00004 s left of a 30 s grant), so round to the millisecond
-        return f"max(round((julianday({column}) - julianday('now')) * 86400.0, 3), 0.0)"
 
     def ttl_param(self, ttl: float) -> Any:
-        return repr(float(ttl))
-
-    def ago(self, seconds_sql: str) -> str:
-        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || ({seconds_sql}) || ' seconds')"
+        return repr(float(ttl))  # SQLite's time modifiers are text
 
     def claim_expired(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int

@@ -52,3 +52,18 @@ GRANT_RETURNING: LiteralString = (
 #: a claim's returned columns
 CLAIM_RETURNING: LiteralString = """ RETURNING id, key, token, owner, task_id, task_name,
     job, reclaim_attempts, reclaim_state"""
+
+#: django-celery-results' result row but its id, as a fenced success writes it in the
+#: statement that releases the lease (PostgreSQL)
+RESULT_COLUMNS: LiteralString = """(task_id, periodic_task_name, task_name, task_args,
+    task_kwargs, status, worker, content_type, content_encoding, result, date_created,
+    date_started, date_done, traceback, meta)"""
+
+#: what a write over an existing result row changes: what ``DatabaseBackend`` writes, not
+#: the row's creation or start time
+RESULT_UPDATE: LiteralString = """periodic_task_name = EXCLUDED.periodic_task_name,
+    task_name = EXCLUDED.task_name, task_args = EXCLUDED.task_args,
+    task_kwargs = EXCLUDED.task_kwargs, status = EXCLUDED.status, worker = EXCLUDED.worker,
+    content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding,
+    result = EXCLUDED.result, date_done = EXCLUDED.date_done,
+    traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"""
