@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_fenced"
 DIALECTS = PACKAGE / "store" / "dialects"
 STATEMENTS = sorted(p for p in (DIALECTS / "statements").glob("*.py") if p.stem != "__init__")
 #: the dialect modules that execute only statements of their statements module
-CONVERTED = [DIALECTS / "sqlite.py", DIALECTS / "postgresql.py"]
+CONVERTED = [DIALECTS / "sqlite.py", DIALECTS / "postgresql.py", DIALECTS / "mysql.py"]
 EXECUTING = ("execute", "_fetch", "raw", "extra", "_unless_conflicting")
 PLACEHOLDER = re.compile(r"%(\(\w+\)s|%)")
 
@@ -113,6 +113,9 @@ def named_statement(node: ast.expr) -> bool:
         return named_statement(node.body) and named_statement(node.orelse)
     if isinstance(node, ast.Subscript):  # a variant, by its key
         node = node.value
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "repeated":
+        # the exception: a statement's one row repeated (see ``statements/mysql.py``)
+        return len(node.args) == 4 and all(named_statement(arg) for arg in node.args[:3])
     text = ast.unparse(node)
     return re.fullmatch(r"(sql|self\.SQL)\.[A-Z][A-Z0-9_]*", text) is not None
 
@@ -126,17 +129,27 @@ def test_statements__module_holds_only_literal_constants(path: Path) -> None:
 def test_statements__parameters_are_named(path: Path) -> None:
     module = importlib.import_module(f"celery_fenced.store.dialects.statements.{path.stem}")
     statements = {
-        f"{name}[{key!r}]": sql
+        name if key is None else f"{name}[{key!r}]": sql
         for name, value in vars(module).items()
         if name.isupper()
         for key, sql in (value.items() if isinstance(value, dict) else [(None, value)])
         if isinstance(sql, str)
     }
     assert statements
-    positional = {name: sql for name, sql in statements.items() if "%s" in sql}
+    # positional only in the one row of a statement taking a variable number of them
+    positional = {
+        name: sql for name, sql in statements.items() if "%s" in sql and not name.endswith("_ROW")
+    }
     assert positional == {}
+    rows = {name for name, sql in statements.items() if "{rows}" in sql}
+    assert {name.split("[")[0] for name in rows} <= {"LOCKED_ROWS", "RENEW", "RENEWED"}
+    assert all("%(" not in statements[name] for name in rows)
     # every ``%`` is a named parameter or an escaped ``%%``
-    stray = {name: sql for name, sql in statements.items() if "%" in PLACEHOLDER.sub("", sql)}
+    stray = {
+        name: sql
+        for name, sql in statements.items()
+        if "%" in PLACEHOLDER.sub("", sql if not name.endswith("_ROW") else sql.replace("%s", ""))
+    }
     assert stray == {}
 
 
@@ -147,6 +160,7 @@ def test_statements__name_the_models_tables() -> None:
     tables = set(re.findall(r"\b(?:celery_fenced_\w+|django_celery_results_\w+)\b", text))
     models = {records.LEASE, records.EVENT, records.COMPLETION, records.PENDING, records.RESULT}
     models.add("celery_fenced_permit_token")  # permits' sequence (migration 0007_permits)
+    models.add("celery_fenced_lease_key_uniq")  # the keys' unique index (MariaDB's hint)
     assert tables <= models
     assert {records.LEASE, records.EVENT} <= tables
 
@@ -185,4 +199,26 @@ def test_checker__catches_sql_spliced_into_a_converted_dialect(tmp_path: Path) -
     assert spliced != source
     path = tmp_path / "spliced.py"
     path.write_text(spliced)
+    assert statement_sources(path)
+
+
+def test_repeated__fills_the_rows_slot_with_fixed_text_only() -> None:
+    from celery_fenced.store.dialects.mysql import repeated
+    from celery_fenced.store.dialects.statements import mysql
+
+    statement = repeated(mysql.RENEW, mysql.RENEW_ROW, mysql.RENEW_JOIN, 3)
+    assert "{rows}" not in statement
+    assert statement.count(mysql.RENEW_ROW) == 3
+    assert statement.replace(mysql.RENEW_ROW, "").count("%s") == 0
+    assert statement.count("%s") == 3 * mysql.RENEW_ROW.count("%s")
+    locked = repeated(mysql.LOCKED_ROWS, mysql.LOCKED_ROWS_ROW, mysql.LOCKED_ROWS_JOIN, 2)
+    assert "IN (%s, %s)" in locked
+
+
+def test_checker__catches_a_runtime_value_repeated_into_a_statement(tmp_path: Path) -> None:
+    path = tmp_path / "repeated.py"
+    path.write_text(
+        "def f(self, key):\n"
+        "    self._fetch(repeated(sql.RENEW, f\"'{key}'\", sql.RENEW_JOIN, 1), [])\n"
+    )
     assert statement_sources(path)
