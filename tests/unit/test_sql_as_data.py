@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_fenced"
 DIALECTS = PACKAGE / "store" / "dialects"
 STATEMENTS = sorted(p for p in (DIALECTS / "statements").glob("*.py") if p.stem != "__init__")
 #: the dialect modules that execute only statements of their statements module
-CONVERTED = [DIALECTS / "sqlite.py", DIALECTS / "postgresql.py", DIALECTS / "mysql.py"]
+CONVERTED = [DIALECTS / f"{name}.py" for name in ("sql", "sqlite", "postgresql", "mysql")]
 EXECUTING = ("execute", "_fetch", "raw", "extra", "_unless_conflicting")
 PLACEHOLDER = re.compile(r"%(\(\w+\)s|%)")
 
@@ -187,38 +187,12 @@ def test_checker__catches_a_runtime_value_in_a_statements_module(source: str) ->
     assert not_literal(source)
 
 
-def test_checker__catches_sql_spliced_into_a_converted_dialect(tmp_path: Path) -> None:
-    source = CONVERTED[0].read_text()
-    spliced = source.replace(
-        "self._fetch(sql.CURRENT_TOKEN",
-        "self._fetch(f\"SELECT token FROM t WHERE key = '{key}'\"",
-        1,
-    )
-    if spliced == source:
-        spliced = source.replace("self._fetch(sql.PROVE_CURRENT", 'self._fetch("SELECT " + key', 1)
+@pytest.mark.parametrize("path", CONVERTED, ids=[p.name for p in CONVERTED])
+def test_checker__catches_sql_spliced_into_a_converted_dialect(path: Path, tmp_path: Path) -> None:
+    source = path.read_text()
+    named = re.compile(r"(\.(?:_fetch|execute)\()(?:sql|self\.SQL)\.[A-Z_]+")
+    splice = "f\"SELECT token FROM t WHERE key = '{key}'\""
+    spliced = named.sub(lambda m: m.group(1) + splice, source, count=1)
     assert spliced != source
-    path = tmp_path / "spliced.py"
-    path.write_text(spliced)
-    assert statement_sources(path)
-
-
-def test_repeated__fills_the_rows_slot_with_fixed_text_only() -> None:
-    from celery_fenced.store.dialects.mysql import repeated
-    from celery_fenced.store.dialects.statements import mysql
-
-    statement = repeated(mysql.RENEW, mysql.RENEW_ROW, mysql.RENEW_JOIN, 3)
-    assert "{rows}" not in statement
-    assert statement.count(mysql.RENEW_ROW) == 3
-    assert statement.replace(mysql.RENEW_ROW, "").count("%s") == 0
-    assert statement.count("%s") == 3 * mysql.RENEW_ROW.count("%s")
-    locked = repeated(mysql.LOCKED_ROWS, mysql.LOCKED_ROWS_ROW, mysql.LOCKED_ROWS_JOIN, 2)
-    assert "IN (%s, %s)" in locked
-
-
-def test_checker__catches_a_runtime_value_repeated_into_a_statement(tmp_path: Path) -> None:
-    path = tmp_path / "repeated.py"
-    path.write_text(
-        "def f(self, key):\n"
-        "    self._fetch(repeated(sql.RENEW, f\"'{key}'\", sql.RENEW_JOIN, 1), [])\n"
-    )
-    assert statement_sources(path)
+    (tmp_path / path.name).write_text(spliced)
+    assert statement_sources(tmp_path / path.name)
