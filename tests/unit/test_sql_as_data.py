@@ -196,3 +196,14 @@ def test_checker__catches_sql_spliced_into_a_converted_dialect(path: Path, tmp_p
     assert spliced != source
     (tmp_path / path.name).write_text(spliced)
     assert statement_sources(tmp_path / path.name)
+
+
+def test_statements__event_kinds_and_reclaim_states_are_the_models() -> None:
+    from celery_fenced.models import LeaseEvent, ReclaimState
+
+    text = " ".join(path.read_text() for path in STATEMENTS)
+    written = set(re.findall(r"(?:SELECT (?:g\.)?id, |THEN |ELSE )'(\w+)'", text))
+    compared = set(re.findall(r"reclaim_state (?:=|<>) '(\w+)'", text))
+    assert {"acquired", "reclaimed", "busy", "abandoned"} <= written
+    kinds = {str(k.value) for k in LeaseEvent.Kind} | {str(s.value) for s in ReclaimState}
+    assert written | compared <= kinds
