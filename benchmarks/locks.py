@@ -61,7 +61,7 @@ PROBE_KEY, PROBE_OWNER, PROBE_OTHER = "probe:key", "probe-owner", "probe-other"
 #: ("holder", the JSON text naming the probe's holder) or ("const", the value)
 Param = tuple[str, Any]
 #: per operation (grant, busy, release): its statements, SQL and parameter templates
-Statements = dict[str, list[tuple[str, list[Param]]]]
+Statements = dict[str, list[tuple[str, dict[str, Param]]]]
 
 
 # -- the store's own statements, captured -------------------------------------------------
@@ -76,17 +76,18 @@ def capture(alias: str) -> Statements:
     from celery_fenced.models import Lease
     from celery_fenced.store import dialects
 
-    log: list[tuple[str, list[Any]]] = []
+    log: list[tuple[str, dict[str, Any]]] = []
     fetch = dialects.SQLDialect._fetch
 
     def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
         # plain values (an event kind is the model's enum): the templates go to spawned
         # processes, which unpickle them before Django is set up
-        log.append((sql, [p.value if isinstance(p, enum.Enum) else p for p in params]))
+        plain = {k: p.value if isinstance(p, enum.Enum) else p for k, p in params.items()}
+        log.append((sql, plain))
         return fetch(self, sql, params)
 
     for _ in range(5):  # until the probe's token and lease id differ from each other
-        recorded: dict[str, list[tuple[str, list[Any]]]] = {}
+        recorded: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         with mock.patch.object(dialects.SQLDialect, "_fetch", recording):
             log[:] = []
             lease = acquire(PROBE_KEY, ttl=TTL, owner=PROBE_OWNER, using=alias)
@@ -107,13 +108,13 @@ def capture(alias: str) -> Statements:
     requester = {"grant": PROBE_OWNER, "busy": PROBE_OTHER, "release": PROBE_OWNER}
     captured: Statements = {
         op: [
-            (sql, [_slot(x, requester[op], lease.token, lease_id) for x in params])
+            (sql, {k: _slot(x, requester[op], lease.token, lease_id) for k, x in params.items()})
             for sql, params in statements
         ]
         for op, statements in recorded.items()
     }
     for op, slots in (("grant", {"key", "owner"}), ("release", {"key", "token", "owner"})):
-        found = {kind for _, params in captured[op] for kind, _ in params}
+        found = {kind for _, params in captured[op] for kind, _ in params.values()}
         if not slots <= found:
             raise RuntimeError(f"the store's {op} statements no longer take {slots - found}")
     return captured
@@ -133,16 +134,16 @@ def _slot(value: Any, requester: str, token: int, lease_id: int) -> Param:
     return ("const", value)
 
 
-def fill(params: list[Param], values: dict[str, Any]) -> list[Any]:
+def fill(params: dict[str, Param], values: dict[str, Any]) -> dict[str, Any]:
     """The parameters of a captured statement for this cycle's ``values``."""
-    out = []
-    for kind, value in params:
+    out = {}
+    for name, (kind, value) in params.items():
         if kind == "const":
-            out.append(value)
+            out[name] = value
         elif kind == "holder":
-            out.append(value.replace(PROBE_OWNER, json.dumps(values["holder"])[1:-1]))
+            out[name] = value.replace(PROBE_OWNER, json.dumps(values["holder"])[1:-1])
         else:
-            out.append(values[kind])
+            out[name] = values[kind]
     return out
 
 
@@ -261,7 +262,7 @@ class Cycles:
         values: dict[str, Any] = {"key": f"cycle:{n}", "owner": self.owner}
         db = self.sqlite
 
-        def run(statements: list[tuple[str, list[Param]]]) -> None:
+        def run(statements: list[tuple[str, dict[str, Param]]]) -> None:
             for sql, params in statements:
                 db.execute(_qmark(sql), fill(params, values)).fetchall()
 
@@ -322,8 +323,8 @@ class Cycles:
 
 
 def _qmark(sql: str) -> str:
-    """Django's SQLite placeholder translation: ``%s`` → ``?``, ``%%`` → ``%``."""
-    return re.sub(r"(?<!%)%s", "?", sql).replace("%%", "%")
+    """Django's SQLite placeholder translation: ``%(x)s`` → ``:x``, ``%%`` → ``%``."""
+    return re.sub(r"(?<!%)%\((\w+)\)s", r":\1", sql).replace("%%", "%")
 
 
 def serve(
@@ -391,18 +392,21 @@ def _capture_all() -> dict[str, Statements]:
     """The store's statements on both databases, and the lean ones beside PostgreSQL's."""
     from django.db import connections
 
-    from celery_fenced.store import dialects
+    from celery_fenced.store.dialects.statements import postgresql
 
     statements = {connections[a].vendor: capture(a) for a in ("default", "sqlite")}
-    # lean: the grant's upsert alone (its parameters come first in the grant statement)
-    upsert = dialects.PostgreSQL("default")._upsert()
+    # lean: the grant's upsert alone (the grant statement's parameters)
+    upsert = postgresql.GRANT_ROUTINE[False, "", False]
     grant_params = statements["postgresql"]["grant"][0][1]
-    release = f"""UPDATE {dialects.LEASE} SET released_at = statement_timestamp()
-                  WHERE key = %s AND token = %s AND owner = %s AND released_at IS NULL
-                  RETURNING token"""
+    release = """UPDATE celery_fenced_lease SET released_at = statement_timestamp()
+                 WHERE key = %(key)s AND token = %(token)s AND owner = %(owner)s
+                   AND released_at IS NULL
+                 RETURNING token"""
     statements["lean"] = {
-        "grant": [(upsert, grant_params[: upsert.count("%s")])],
-        "release": [(release, [("key", None), ("token", None), ("owner", None)])],
+        "grant": [(upsert, grant_params)],
+        "release": [
+            (release, {"key": ("key", None), "token": ("token", None), "owner": ("owner", None)})
+        ],
     }
     return statements
 

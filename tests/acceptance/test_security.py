@@ -88,9 +88,11 @@ SQL = re.compile(r"\b(SELECT|INSERT INTO|UPDATE|DELETE FROM|WHERE|RETURNING|VALU
 class FixedSQL:
     """Decides whether an expression of one module is a fixed SQL fragment.
 
-    Fixed: constants; module names bound to constants or ``Model._meta.db_table``; ``self.X``
-    class constants (upper case); f-strings of fixed parts; ``a if cond else b`` of fixed
-    parts; ``", ".join([fixed] * n)``; local names bound only to fixed values; calls of the
+    For the modules outside the SQL dialects (theirs execute only statements of their
+    statements modules: ``tests/unit/test_sql_as_data.py``). Fixed: constants; module
+    names bound to constants or ``Model._meta.db_table``; ``self.X`` class constants
+    (upper case); f-strings of fixed parts; ``a if cond else b`` of fixed parts;
+    ``", ".join([fixed] * n)``; local names bound only to fixed values; calls of the
     module's own methods whose arguments are fixed and whose returns are fixed; a parameter
     every caller passes fixed.
     """
@@ -147,10 +149,6 @@ class FixedSQL:
             return ast.unparse(node.value) == "self" and node.attr in self.class_constants
         if isinstance(node, ast.IfExp):  # a choice between fixed fragments
             return self.fixed(node.body, where) and self.fixed(node.orelse, where)
-        if isinstance(node, ast.Tuple | ast.List):
-            return all(self.fixed(e, where) for e in node.elts)
-        if isinstance(node, ast.Subscript):
-            return isinstance(node.slice, ast.Constant) and self.fixed(node.value, where)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             return self.fixed(node.left, where) and self.fixed(node.right, where)
         if isinstance(node, ast.Call):
@@ -172,37 +170,7 @@ class FixedSQL:
             )
         if ast.unparse(func.value) != "self" or func.attr not in self.functions:
             return False
-        counts = [self._count_only(func.attr, i) for i in range(len(node.args))]
-        return (
-            all(self.fixed(a, where) or c for a, c in zip(node.args, counts, strict=True))
-            and all(self.fixed(k.value, where) for k in node.keywords)
-            and self._returns_fixed(func.attr)
-        )
-
-    def _count_only(self, function: str, index: int) -> bool:
-        """The parameter only repeats a fixed list (``[fragment] * count``): not text."""
-        for definition in self.functions[function]:
-            params = [a.arg for a in definition.args.args]
-            params = params[1:] if params[:1] == ["self"] else params
-            if index >= len(params):
-                return False
-            uses = [
-                n
-                for n in ast.walk(definition)
-                if isinstance(n, ast.Name) and n.id == params[index]
-            ]
-            repeats = [
-                n
-                for n in ast.walk(definition)
-                if isinstance(n, ast.BinOp)
-                and isinstance(n.op, ast.Mult)
-                and isinstance(n.left, ast.List)
-                and isinstance(n.right, ast.Name)
-                and n.right.id == params[index]
-            ]
-            if len(uses) != len(repeats):
-                return False
-        return True
+        return all(self.fixed(a, where) for a in args) and self._returns_fixed(func.attr)
 
     def _returns_fixed(self, name: str) -> bool:
         memo = ("returns", name)
@@ -254,17 +222,9 @@ class FixedSQL:
         return self._memo[memo]
 
 
-def sql_sources(*paths: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]]:
-    """Every SQL f-string and every ``execute``'d SQL argument of the modules at ``paths``.
-
-    Modules read together are checked as one (the dialects' classes build their statements
-    from fragments their base classes and siblings define).
-    """
-    tree = ast.Module(
-        body=[node for path in paths for node in ast.parse(path.read_text()).body],
-        type_ignores=[],
-    )
-    path = paths[0] if len(paths) == 1 else paths[0].parent
+def sql_sources(path: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]]:
+    """Every SQL f-string and every ``execute``'d SQL argument of the module at ``path``."""
+    tree = ast.parse(path.read_text())
     checker = FixedSQL(tree)
     found: list[tuple[str, ast.expr, ast.FunctionDef | None, FixedSQL]] = []
     for node in ast.walk(tree):
@@ -289,38 +249,18 @@ def sql_sources(*paths: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | Non
     return found
 
 
-DIALECTS = sorted((PACKAGE / "store" / "dialects").glob("*.py"))
+#: the dialects that execute only their statements modules' statements, and those modules:
+#: checked by ``tests/unit/test_sql_as_data.py``
+STATEMENTS = PACKAGE / "store" / "dialects" / "statements"
+CONVERTED = [
+    PACKAGE / "store" / "dialects" / f"{name}.py"
+    for name in ("sql", "sqlite", "postgresql", "mysql")
+]
 MODULES = sorted(
-    p for p in PACKAGE.rglob("*.py") if "migrations" not in p.parts and p not in DIALECTS
+    p
+    for p in PACKAGE.rglob("*.py")
+    if "migrations" not in p.parts and p not in CONVERTED and STATEMENTS not in p.parents
 )
-
-
-def test_sql__dialect_fstrings_interpolate_only_fixed_fragments() -> None:
-    sources = sql_sources(*DIALECTS)
-    assert len(sources) > 20  # the dialects' statements were found
-    runtime = [
-        f"{where}: {ast.unparse(node)[:120]}"
-        for where, node, function, checker in sources
-        if not checker.fixed(node, function)
-    ]
-    assert runtime == []
-
-
-def test_sql__checker_catches_a_key_spliced_into_the_real_dialects(tmp_path: Path) -> None:
-    spliced, done = [], False
-    for module in DIALECTS:
-        source = module.read_text()
-        if not done and "WHERE key = %s" in source:
-            source, done = source.replace("WHERE key = %s", "WHERE key = '{key}'", 1), True
-        spliced.append(tmp_path / module.name)
-        spliced[-1].write_text(source)
-    assert done
-    runtime = [
-        where
-        for where, node, function, checker in sql_sources(*spliced)
-        if not checker.fixed(node, function)
-    ]
-    assert runtime
 
 
 @pytest.mark.parametrize("path", MODULES, ids=[str(p.relative_to(PACKAGE)) for p in MODULES])

@@ -187,8 +187,8 @@ def test_postgresql_takeover_of_a_grant_committed_after_the_snapshot__hands_over
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """READ COMMITTED: the takeover's ON CONFLICT updates the row's *latest* version, but
-    ``_displaced`` reads the row from the statement's snapshot. C takes A's expired grant
-    over in a transaction that commits late (its process paused before the commit), after
+    its ``displaced`` CTE reads the row from the statement's snapshot. C takes A's expired
+    grant over in a transaction that commits late (its process paused before the commit), after
     its short grant has run out; D's takeover statement takes its snapshot (A's expired
     grant) and waits for the row; C commits; D's ON CONFLICT takes C's expired grant over,
     ``reclaimed_from`` = C, and its CTE would hand A's job (already handed over by C) to

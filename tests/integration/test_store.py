@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from celery_fenced import signals as fenced_signals
 from celery_fenced.models import Completion, Lease, LeaseEvent
 from celery_fenced.store.dialects import Dialect, for_alias
 from celery_fenced.store.dialects.sqlite import SQLite
+from celery_fenced.store.dialects.statements import sqlite as statements
 from celery_fenced.store.types import Completed, Delivery, Ending, Grant, GrantRequest
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB, wait_until_blocked
@@ -91,9 +93,16 @@ def test_busy_wait__never_exceeds_the_ttl_on_sqlite(ttl: float) -> None:
     # ttl to the millisecond (julianday's double alone gave 30.00004 s of a 30 s grant)
     dialect = for_alias("default")
     assert isinstance(dialect, SQLite)
-    granted_expiry = f"({dialect.expiry('%s')})"
+    # the holder's seconds left (``HOLDER``) of a grant's expiry (``GRANT``)
+    granted = re.search(r"strftime\([^()]*\(%\(ttl\)s\)[^()]*\)", statements.GRANT)
+    left = re.search(r"max\(round\(.*\), 0\.0\)", statements.HOLDER)
+    assert granted is not None
+    assert left is not None
     with connections["default"].cursor() as cursor:
-        cursor.execute(f"SELECT {dialect.remaining(granted_expiry)}", [dialect.ttl_param(ttl)])
+        cursor.execute(
+            "SELECT " + left.group(0).replace("expires_at", granted.group(0)),
+            {"ttl": dialect.ttl_param(ttl)},
+        )
         (remaining,) = cursor.fetchone()
     assert remaining == ttl
 

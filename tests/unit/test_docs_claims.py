@@ -279,18 +279,20 @@ def test_docs_claims__the_benchmarks_are_counted_and_named_right() -> None:
 def test_docs_claims__pruning_events_never_lets_a_job_run_again() -> None:
     """The completed-duplicate check reads the completion markers, never the events."""
     from celery_fenced.store.dialects import orm, permits, sql
+    from celery_fenced.store.dialects.statements import postgresql, sqlite
 
     readers = [
         orm.ORMDialect.completed,
         permits.PermitGranter._completed,
         sql.SQLDialect.completed,
-        sql.SQLDialect._completed_sql,
-        sql.SQLDialect._marked_sql,
     ]
     for reader in readers:
         source = inspect.getsource(reader)
         assert "LeaseEvent" not in source, reader.__qualname__
         assert "EVENT" not in source, reader.__qualname__
+    for statements in (postgresql, sqlite):  # the SQL dialects' ``COMPLETED`` and grants
+        for name in ("COMPLETED", "_COMPLETED", "_MARKED"):
+            assert "celery_fenced_leaseevent" not in getattr(statements, name), name
     for page in PAGES:
         for said in sentences(page):
             if re.search(r"\bprun", said, re.I) and re.search(r"\bruns? (again|twice)\b", said):

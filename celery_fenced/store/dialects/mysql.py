@@ -6,15 +6,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects.orm import ORMDialect
 from celery_fenced.store.dialects.rows import aware
-from celery_fenced.store.dialects.tables import EVENT, LEASE, RESULT
+from celery_fenced.store.dialects.statements import mysql as sql
 from celery_fenced.store.types import Renewal
+
+if TYPE_CHECKING:
+    from typing_extensions import LiteralString
 
 
 class MySQL(ORMDialect):
@@ -31,11 +34,7 @@ class MySQL(ORMDialect):
     def _locked_row(self, key: str) -> tuple[Any, ...] | None:
         """The row's lock and the database's time in one ``SELECT … FOR UPDATE``."""
         with self.connection.cursor() as cursor:
-            cursor.execute(
-                f"""SELECT id, token, released_at, expires_at, {self.CLOCK}
-                    FROM {LEASE} WHERE `key` = %s FOR UPDATE""",
-                [key],
-            )
+            cursor.execute(sql.LOCKED_ROW, {"key": key})
             row = cursor.fetchone()
         if row is None:
             return None
@@ -49,11 +48,9 @@ class MySQL(ORMDialect):
         waits for the head row this transaction holds (a deadlock, error 1213)."""
         if not keys:
             return []
-        marks = ", ".join(["%s"] * len(keys))
         return list(
             Lease._default_manager.raw(
-                f"""SELECT * FROM {LEASE} FORCE INDEX (celery_fenced_lease_key_uniq)
-                    WHERE `key` IN ({marks}) FOR UPDATE""",
+                repeated(sql.LOCKED_ROWS, sql.LOCKED_ROWS_ROW, sql.LOCKED_ROWS_JOIN, len(keys)),
                 keys,
                 using=self.alias,
             )
@@ -74,43 +71,26 @@ class MySQL(ORMDialect):
         sees it. (Each call uses up a value of the table's ``AUTO_INCREMENT``.)
         """
         with self.connection.cursor() as cursor:
-            cursor.execute(
-                f"""INSERT INTO {RESULT}
-                      (task_id, status, content_type, content_encoding, date_created, date_done)
-                    VALUES (%s, 'PENDING', '', '', {self.CLOCK}, {self.CLOCK})
-                    ON DUPLICATE KEY UPDATE id = id""",
-                [task_id],
-            )
+            cursor.execute(sql.LOCK_FOR_RESULT, {"task_id": task_id})
             if cursor.lastrowid:  # made here (0: the task's row, now locked)
-                cursor.execute(f"DELETE FROM {RESULT} WHERE id = %s", [cursor.lastrowid])
+                cursor.execute(sql.DELETE_RESULT, {"id": cursor.lastrowid})
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         """Every lease in one ``UPDATE … JOIN``; the renewed ones read back by their new
         ``renewed_at`` (the family's ``UPDATE`` returns no rows)."""
         if not leases:
             return {}
-        wanted = " UNION ALL ".join(["SELECT %s AS k, %s AS t, %s AS o, %s AS us"] * len(leases))
-        params: list[Any] = []
-        for lease in leases:
-            params += [lease.key, lease.token, lease.owner, round(lease.ttl * 1_000_000)]
         with transaction.atomic(using=self.alias), self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT {self.CLOCK}")
+            cursor.execute(sql.SELECT_NOW)
             now = cursor.fetchone()[0]
-            cursor.execute(
-                f"""UPDATE {LEASE} l JOIN ({wanted}) v
-                      ON l.`key` = v.k AND l.token = v.t AND l.owner = v.o
-                    SET l.renewed_at = %s, l.expires_at = %s + INTERVAL v.us MICROSECOND
-                    WHERE l.released_at IS NULL AND l.expires_at > %s""",
-                [*params, now, now, now],
-            )
+            params: list[Any] = []
+            for lease in leases:
+                params += [lease.key, lease.token, lease.owner, round(lease.ttl * 1_000_000), now]
+            count = len(leases)
+            cursor.execute(repeated(sql.RENEW, sql.RENEW_ROW, sql.RENEW_JOIN, count), params)
             if not cursor.rowcount:
                 return {}
-            cursor.execute(
-                f"""SELECT l.`key`, l.token, l.expires_at FROM {LEASE} l JOIN ({wanted}) v
-                      ON l.`key` = v.k AND l.token = v.t AND l.owner = v.o
-                    WHERE l.renewed_at = %s AND l.released_at IS NULL""",
-                [*params, now],
-            )
+            cursor.execute(repeated(sql.RENEWED, sql.RENEW_ROW, sql.RENEW_JOIN, count), params)
             return {(key, token): aware(expires) for key, token, expires in cursor.fetchall()}
 
     def record_event(
@@ -132,15 +112,30 @@ class MySQL(ORMDialect):
         insert waits for nothing, whatever ``innodb_autoinc_lock_mode`` is.
         """
         with transaction.atomic(using=self.alias), self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT id FROM {LEASE} WHERE `key` = %s LOCK IN SHARE MODE", [key])
+            cursor.execute(sql.SHARE_LOCK, {"key": key})
             row = cursor.fetchone()
             if row is None:
                 return
             cursor.execute(
-                f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                    VALUES (%s, %s, %s, %s, %s, {self.CLOCK}, %s)""",
-                [row[0], kind, token, task_id, owner, json.dumps(detail)],
+                sql.INSERT_EVENT,
+                {
+                    "lease_id": row[0],
+                    "kind": kind,
+                    "token": token,
+                    "task_id": task_id,
+                    "owner": owner,
+                    "detail": json.dumps(detail),
+                },
             )
+
+
+def repeated(
+    statement: LiteralString, row: LiteralString, join: LiteralString, count: int
+) -> LiteralString:
+    """``statement`` with its ``{rows}`` slot filled with ``count`` copies of ``row``, joined
+    by ``join``: the statements taking a variable number of rows (see
+    :mod:`.statements.mysql`). Fixed text only; the values are the rows' parameters."""
+    return statement.replace("{rows}", join.join([row] * count))
 
 
 def _aware_or_none(value: dt.datetime | None) -> dt.datetime | None:

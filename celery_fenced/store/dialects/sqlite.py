@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import transaction
 
 from celery_fenced.models import LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.rows import abandoned_detail, aware, holder_of, released_detail
-from celery_fenced.store.dialects.sql import SQLDialect
-from celery_fenced.store.dialects.tables import COMPLETION, EVENT, LEASE, RESULT
+from celery_fenced.store.dialects.sql import SQLDialect, Statements
+from celery_fenced.store.dialects.statements import sqlite as sql
 from celery_fenced.store.types import (
     Claim,
     Completed,
@@ -31,22 +31,10 @@ class SQLite(SQLDialect):
     as text with the values Django writes.
     """
 
-    NOW = "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
-    JSON = "%s"
-
-    def expiry(self, ttl_sql: str) -> str:
-        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '+' || ({ttl_sql}) || ' seconds')"
-
-    def remaining(self, column: str) -> str:
-        # both times are whole milliseconds; julianday's double is off by up to ~50 µs
-        # at today's dates (30.00004 s left of a 30 s grant), so round to the millisecond
-        return f"max(round((julianday({column}) - julianday('now')) * 86400.0, 3), 0.0)"
+    SQL: ClassVar[Statements] = sql
 
     def ttl_param(self, ttl: float) -> Any:
-        return repr(float(ttl))
-
-    def ago(self, seconds_sql: str) -> str:
-        return f"strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now', '-' || ({seconds_sql}) || ' seconds')"
+        return repr(float(ttl))  # SQLite's time modifiers are text
 
     def claim_expired(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
@@ -54,8 +42,13 @@ class SQLite(SQLDialect):
         """The claim in one statement; the ``abandoned`` events in its transaction."""
         with transaction.atomic(using=self.alias):
             rows = self._fetch(
-                self._claim_sql()[0],
-                self._claim_params(grace, resend_after, max_attempts, limit),
+                sql.CLAIM,
+                {
+                    "max": max_attempts,
+                    "grace": self.ttl_param(grace),
+                    "resend_after": self.ttl_param(resend_after),
+                    "limit": limit,
+                },
             )
             claims = [Claim(*row) for row in rows]
             for claim in claims:
@@ -77,21 +70,31 @@ class SQLite(SQLDialect):
             request.task_id,
             request.delivery,
         )
-        unless_completed, params = self._grant_params(request)
+        delivery = request.delivery
+        unless_completed = delivery is not None and bool(delivery.task_id)
+        params = {
+            "key": key,
+            "owner": owner,
+            "task_id": task_id,
+            "task_name": request.task_name,
+            "ttl": self.ttl_param(request.ttl),
+            "job": request.job,
+            **(
+                self._marked_fields(key, delivery, request.window)
+                if delivery is not None and unless_completed
+                else {}
+            ),
+        }
         with transaction.atomic(using=self.alias, savepoint=False):  # acquire's
             # the previous grant's start, for a takeover's event: read by a write that
             # changes nothing, so the transaction holds the write lock from its first
             # statement (a read's shared lock cannot always be upgraded: "database is
             # locked" at once, whatever the timeout)
-            before = self._fetch(
-                f"""UPDATE {LEASE} SET token = token WHERE key = %s
-                    RETURNING acquired_at, task_id, task_name, job, released_at,
-                              reclaim_state, reclaim_attempts, expires_at""",
-                [key],
-            )
+            before = self._fetch(sql.LOCK_LEASE_ROW, {"key": key})
             previous_start = aware(before[0][0]).isoformat() if before else None
-            grant = self._upsert(unless_completed=True) if unless_completed else self._upsert()
-            rows = self._fetch(grant, params)
+            rows = self._fetch(
+                sql.GRANT_UNLESS_COMPLETED if unless_completed else sql.GRANT, params
+            )
             if rows:
                 lease_id, token, expires_at, reclaimed_from, marker = rows[0]
                 if reclaimed_from:
@@ -120,7 +123,7 @@ class SQLite(SQLDialect):
                 and self.completed(key, delivery, request.window)
             ):
                 return Completed(task_id, delivery.retries)
-            rows = self._fetch(self._busy_select(), [key])
+            rows = self._fetch(sql.HOLDER, {"key": key})
             if rows:
                 self._insert_event(
                     rows[0][0], Kind.BUSY, rows[0][1], task_id, owner, {"holder": rows[0][2]}
@@ -137,9 +140,15 @@ class SQLite(SQLDialect):
         detail: dict[str, Any],
     ) -> None:
         self._fetch(
-            f"""INSERT INTO {EVENT} (lease_id, kind, token, task_id, owner, at, detail)
-                VALUES (%s, %s, %s, %s, %s, {self.NOW}, %s) RETURNING id""",
-            [lease_id, kind, token, task_id, owner, json.dumps(detail)],
+            sql.INSERT_EVENT,
+            {
+                "lease_id": lease_id,
+                "kind": kind,
+                "token": token,
+                "task_id": task_id,
+                "owner": owner,
+                "detail": json.dumps(detail),
+            },
         )
 
     def release(self, ending: Ending) -> bool:
@@ -149,19 +158,8 @@ class SQLite(SQLDialect):
     def force_release(
         self, key: str, by: str, task_id: str | None = None, token: int | None = None
     ) -> tuple[int, str] | None:
-        only_task = "" if task_id is None else "AND task_id = %s"
-        only_token = "" if token is None else "AND token = %s"
         with transaction.atomic(using=self.alias):
-            rows = self._fetch(
-                f"""UPDATE {LEASE} SET released_at = {self.NOW}, job = NULL
-                    WHERE key = %s AND released_at IS NULL {only_task} {only_token}
-                    RETURNING id, token, owner, task_id, acquired_at""",
-                [
-                    key,
-                    *([] if task_id is None else [task_id]),
-                    *([] if token is None else [token]),
-                ],
-            )
+            rows = self._fetch(sql.FORCE_RELEASE, {"key": key, "task_id": task_id, "token": token})
             if not rows:
                 return None
             lease_id, token, owner, task_id, acquired_at = rows[0]
@@ -171,20 +169,12 @@ class SQLite(SQLDialect):
 
     def lock_for_result(self, task_id: str) -> None:
         """SQLite's write lock, taken by a write that changes nothing."""
-        self._fetch(
-            f"UPDATE {RESULT} SET task_id = task_id WHERE task_id = %s RETURNING 1", [task_id]
-        )
+        self._fetch(sql.LOCK_FOR_RESULT, {"task_id": task_id})
 
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
         # A conditional no-op write takes SQLite's write lock for the rest of the
         # transaction: no grant can be issued until the caller's writes commit.
-        rows = self._fetch(
-            f"""UPDATE {LEASE} SET token = token
-                WHERE key = %s AND token = %s AND released_at IS NULL
-                  AND expires_at > {self.NOW}
-                RETURNING token""",
-            [key, token],
-        )
+        rows = self._fetch(sql.PROVE_CURRENT, {"key": key, "token": token})
         if rows:
             return True, token
         return False, self._current_token(key)
@@ -204,25 +194,18 @@ class SQLite(SQLDialect):
         to the ``Completion`` table; the ``released`` event with routine events only."""
         state, delivery = ending.state, ending.delivery
         marker = self._completion_params(state, delivery)
-        by_owner = "AND owner = %s" if holder_only else ""
-        completion = self._completion_set() if marker else ""
-        holder = [ending.key, ending.token, *([ending.owner] if holder_only else [])]
+        params = {
+            "key": ending.key,
+            "token": ending.token,
+            "only_owner": ending.owner if holder_only else None,
+            "state": state[:16],
+            **({"digest": marker[0], "retries": marker[1]} if marker else {}),
+        }
         if marker and ending.displaces is not False:
             # first (a write: the write lock from the first statement), under the
             # release's own conditions: the marker this release is about to replace
-            self._fetch(
-                f"""INSERT INTO {COMPLETION} (digest, retries, completed_at)
-                    SELECT completed_digest, completed_retries, completed_at FROM {LEASE}
-                    WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
-                      AND completed_digest NOT IN ('', %s) RETURNING id""",
-                [*holder, marker[0]],
-            )
-        rows = self._fetch(
-            f"""UPDATE {LEASE} SET {self._release_set()} {completion}
-                WHERE key = %s AND token = %s {by_owner} AND released_at IS NULL
-                RETURNING id""",
-            [state[:16], *marker, *holder],
-        )
+            self._fetch(sql.MOVE_MARKER, params)
+        rows = self._fetch(sql.RELEASE_COMPLETING if marker else sql.RELEASE, params)
         if not rows:
             return False
         if ending.routine_events:
