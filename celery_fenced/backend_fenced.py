@@ -15,6 +15,7 @@ from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
+from celery_fenced.renewal import renewer
 from celery_fenced.request_state import add_meta, carry, state_of
 from celery_fenced.store import HeldLease
 
@@ -76,8 +77,6 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         # a failover, instead of turning a done job into a FAILURE.
         proven = self._through_outages(task_id, [lease.alias], attempt) if releasing else attempt()
         if proven and releasing:
-            from celery_fenced.renewal import renewer
-
             renewer().unregister(lease)
             lease.confirm_released()
         return proven

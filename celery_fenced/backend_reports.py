@@ -11,6 +11,7 @@ from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import exits, owners, store
 from celery_fenced.backend_fenced import from_scratch
+from celery_fenced.execution import FencedExecution, delivery_of
 from celery_fenced.request_state import state_of
 
 logger = logging.getLogger("celery_fenced.backends")
@@ -90,8 +91,6 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         of the message (a busy retry sent while it held the key, a redelivery) is a
         completed duplicate and does not run. A revoke's or an expiry's REVOKED is not:
         a copy sent again still runs, and the outcome it records supersedes this one."""
-        from celery_fenced.execution import FencedExecution
-
         drive()
         task_id = getattr(request, "id", None)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
@@ -115,8 +114,6 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         ended (its hard time limit, its loss), as the execution's own FAILURE would. Its
         copies are then completed duplicates (:func:`store.settle_elsewhere` marks it with
         the release of the process's grant). None for any other report."""
-        from celery_fenced.execution import FencedExecution, delivery_of
-
         ended = state_of(request).process
         task = self.app.tasks.get(getattr(request, "task", None) or "")
         args, kwargs = getattr(request, "args", None), getattr(request, "kwargs", None)

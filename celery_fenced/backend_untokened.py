@@ -12,6 +12,7 @@ from django.db import router, transaction
 from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import outbox, store
+from celery_fenced.execution import FencedExecution
 from celery_fenced.request_state import carry, state_of
 
 logger = logging.getLogger("celery_fenced.backends")
@@ -22,8 +23,6 @@ class UntokenedWrites(DatabaseBackend):  # type: ignore[misc]
 
     def _is_fenced(self, request: Context | None) -> bool:
         """Whether ``request``'s task is (or may be) fenced: then its writes are checked."""
-        from celery_fenced.execution import FencedExecution
-
         name = getattr(request, "task", None) if request is not None else None
         task = self.app.tasks.get(name) if isinstance(name, str) else None
         return task is None or isinstance(task, FencedExecution)

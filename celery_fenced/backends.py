@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from celery import states
 from celery.app.task import Context
@@ -53,6 +53,9 @@ T = TypeVar("T")
 
 class FencedDatabaseBackend(MainProcessReports, FencedWrites, UntokenedWrites):
     """A drop-in ``DatabaseBackend`` that refuses result writes under stale tokens."""
+
+    #: what :func:`celery_fenced.roles.is_fenced_backend` asks
+    celery_fenced_backend: ClassVar[bool] = True
 
     # -- what Celery's tracer and worker report ---------------------------------------
     def mark_as_done(

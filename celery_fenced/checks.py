@@ -161,14 +161,11 @@ def check_result_database(**kwargs: Any) -> list[checks.CheckMessage]:
         return []  # E004
     if not startup.results_fenced(startup.checked_app()):
         return []
-    # only once the app is known installed: its models cannot be imported otherwise (E004)
-    from django_celery_results.models import TaskResult
-
     try:
         leases = startup.lease_database()
     except FencedConfigurationError:
         return []  # reported by check_settings
-    results = router.db_for_write(TaskResult)
+    results = router.db_for_write(apps.get_model("django_celery_results", "TaskResult"))
     if results == leases:
         return []
     return [

@@ -15,10 +15,7 @@ from typing import Any
 import click
 from celery import signals
 
-HELP = (
-    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
-    "prune --older-than DAYS, reclaim, beat."
-)
+from celery_fenced.terminal import HELP as HELP
 
 
 @click.command(
@@ -32,6 +29,7 @@ HELP = (
 def fenced(ctx: click.Context, argv: tuple[str, ...]) -> None:
     """Hand the arguments to ``manage.py fenced``: one parser, one help, for both."""
     setup_django(getattr(ctx.obj, "app", None))
+    # it imports the models: only once Django is set up, never on Celery's every start
     from celery_fenced.management.commands.fenced import Command
 
     Command().run_from_argv(["celery", "fenced", *argv])

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_fenced import operations, permits, store, terminal
+from celery_fenced.beat import report
 from celery_fenced.outbox import resend_pending
 from celery_fenced.reclaim import reclaim_expired
 
@@ -207,7 +208,6 @@ def release(io: terminal.IO, options: dict[str, Any]) -> None:
 
 # -- reclaim ---------------------------------------------------------------------------
 def reclaim(io: terminal.IO, options: dict[str, Any]) -> None:
-
     try:
         outcomes = reclaim_expired(
             grace=options.get("grace"),
@@ -298,8 +298,6 @@ def _user() -> str:
 
 
 def beat(io: terminal.IO, options: dict[str, Any]) -> None:
-    from celery_fenced.beat import report  # Django's app registry: loaded when run
-
     report.beat(io, options)
 
 

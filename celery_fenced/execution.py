@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 
-from celery_fenced import context, workflow
+from celery_fenced import context, store, workflow
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.owners import execution_owner
+from celery_fenced.renewal import renewer
 from celery_fenced.request_state import carry, stamp_grant, state_of
+from celery_fenced.roles import is_fenced_backend
+from celery_fenced.task_class import validate_task_class
 from celery_fenced.task_grant import Granting, delivery_of
 from celery_fenced.task_options import FencedOptions
 from celery_fenced.task_outcomes import DATABASE_RETRIES, UNLIMITED_RETRIES, Outcomes
@@ -42,6 +45,9 @@ class FencedExecution(Publishing, Outcomes, Granting):
     retries, a lost grant) handled by :class:`~celery_fenced.task_outcomes.Outcomes`, its
     messages published by :class:`~celery_fenced.task_publish.Publishing`.
     """
+
+    #: what :func:`celery_fenced.roles.is_fenced_task` asks
+    celery_fenced_task: ClassVar[bool] = True
 
     #: the worker's request class: it tells the backend which pool process ended
     Request = "celery_fenced.requests:FencedRequest"
@@ -72,9 +78,6 @@ class FencedExecution(Publishing, Outcomes, Granting):
         self.request_stack.push(Context(*args, **fields))  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from celery_fenced import store
-        from celery_fenced.renewal import renewer
-
         if self.request_stack.top is None:  # type: ignore[attr-defined]
             # task(...) called directly: without a request of its own the call would
             # share Celery's default request (and its lease) with every other thread
@@ -149,9 +152,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
         return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     def _backend_is_fenced(self) -> bool:
-        from celery_fenced.backends import FencedDatabaseBackend
-
-        return isinstance(self.backend, FencedDatabaseBackend)  # type: ignore[attr-defined]
+        return is_fenced_backend(self.backend)  # type: ignore[attr-defined]
 
 
 class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
@@ -165,8 +166,6 @@ class FencedTask(FencedExecution, Task):  # type: ignore[type-arg]
     reject_on_worker_lost = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        from celery_fenced.task_class import validate_task_class
-
         super().__init_subclass__(**kwargs)
         validate_task_class(cls)
 

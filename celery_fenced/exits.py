@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from django.db import connections
+
 logger = logging.getLogger(__name__)
 
 #: how often the waiting thread looks at the process, and at the grant (seconds)
@@ -103,8 +105,6 @@ def _still(held: Callable[[], bool]) -> bool:
 
 
 def _report_after_exit(pid: int, held: Callable[[], bool], report: Callable[[], None]) -> None:
-    from django.db import connections
-
     try:
         asked = time.monotonic()
         while _running_child(pid):

@@ -10,6 +10,7 @@ from django.db.models import F, Q, QuerySet
 
 from celery_fenced import store
 from celery_fenced.context import current_lease
+from celery_fenced.renewal import renewer
 
 M = TypeVar("M", bound=models.Model)
 
@@ -101,8 +102,6 @@ def fenced_update(
     if lease is None:
         # another thread of a fenced execution (a context variable is not inherited by
         # threads): the leases this process holds under that token, every one proven
-        from celery_fenced.renewal import renewer
-
         holders = renewer().holding(token)
     else:
         holders = [lease] if lease.token == token else []

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu import serialization
 
-from celery_fenced import context
+from celery_fenced import context, keys, store
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from celery_fenced.store import Delivery
 
 CONTENT_TYPE = "application/json"
+#: the message header that marks a plain task's job the outbox holds: the worker that
+#: starts it ends its row (:func:`celery_fenced.outbox.plain_job_started`)
+PLAIN_HEADER = "fenced_outbox"
 VERSION = 1
 #: options of the original message that are sent again with the job
 OPTION_NAMES = frozenset(
@@ -109,8 +112,6 @@ def expired(job: Job, now: dt.datetime) -> bool:
 
 def delivery_of(task_id: str, job: Job) -> Delivery:
     """The delivery a copy of ``job``'s message is (its task id, digest and retries)."""
-    from celery_fenced import keys, store
-
     retries = int(job.options.get("retries") or 0)
     nesting = keys.replacements(job.options.get("replaced_task_nesting"))
     digest = keys.message_digest(task_id, job.task, job.args, job.kwargs, nesting)

@@ -27,7 +27,9 @@ from celery_fenced import (
     metrics,
     outbox,
     owners,
+    renewal,
     startup,
+    store,
     tables,
 )
 from celery_fenced.exceptions import FencedConfigurationError, FencedError
@@ -165,9 +167,6 @@ def on_process_shutdown(**kwargs: Any) -> None:
     """On a warm shutdown, release what this process still holds; close its connections;
     its metrics' live gauges stop counting. The worker's main process first makes the
     reports that waited for a pool process to exit (:mod:`celery_fenced.exits`)."""
-    # on use: the store imports django_celery_results' models, absent until E004 is fixed
-    from celery_fenced import renewal, store
-
     exits.wait_for_reports()
     for lease in renewal.renewer().held():
         renewal.renewer().unregister(lease)
@@ -191,9 +190,6 @@ def on_task_revoked(request: Any = None, sender: Any = None, **kwargs: Any) -> N
 
     Sent by the worker that discarded the message (or terminated the execution).
     """
-    # on use: the store imports django_celery_results' models, absent until E004 is fixed
-    from celery_fenced import store
-
     task_id = getattr(request, "id", None)
     # the worker's request context: a message's custom headers are its attributes
     held = isinstance(sender, FencedExecution) or bool(getattr(request, outbox.PLAIN_HEADER, None))
@@ -211,9 +207,6 @@ def on_test_worker_stopped(**kwargs: Any) -> None:
     Its thread has ended; left open, they would keep the test database from being
     dropped.
     """
-    # on use: the store imports django_celery_results' models, absent until E004 is fixed
-    from celery_fenced import store
-
     store.close_kept_connections()
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 
-from celery_fenced import extras, signals
+from celery_fenced import extras, operations, signals, store
 from celery_fenced.models import Lease, PendingJob
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def _prometheus() -> Any:
     """``prometheus_client`` with its ``core`` and ``multiprocess`` modules loaded."""
     # the optional extra, imported on first use: multiprocess mode is chosen at import
     import prometheus_client.core
-    import prometheus_client.multiprocess
+    import prometheus_client.multiprocess  # the same optional extra, on first use
 
     return prometheus_client
 
@@ -329,9 +329,6 @@ def process_ended(pid: int | None = None) -> None:
 def database_gauges(alias: str | None = None) -> dict[str, float]:
     """The lease database's gauges (:data:`DATABASE_METRICS`): index range counts, never a
     scan of the whole lease table."""
-    # on use: the store imports django_celery_results' models, absent until E004 is fixed
-    from celery_fenced import operations, store
-
     using = store.database_alias(alias)
     unreleased = Lease._default_manager.using(using).filter(released_at__isnull=True)
     held = unreleased.filter(expires_at__gt=Now()).count()

@@ -21,10 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from celery.utils import uuid
 from django.db import DatabaseError, connections
 from kombu.exceptions import OperationalError
 
-from celery_fenced import jobs, keys, outages, results, signals
+from celery_fenced import conf, jobs, keys, outages, results, signals, store
+from celery_fenced.jobs import PLAIN_HEADER as PLAIN_HEADER
+from celery_fenced.models import Lease
 from celery_fenced.pending import Resent as Resent
 from celery_fenced.pending import resend_pending as resend_pending
 from celery_fenced.publish_modes import at_once_in_transaction as at_once_in_transaction
@@ -35,17 +38,12 @@ from celery_fenced.publish_modes import plain_sends_recorded as plain_sends_reco
 from celery_fenced.publish_modes import same_job as same_job
 from celery_fenced.publish_modes import sends_at_once as sends_at_once
 from celery_fenced.publish_modes import unrecorded as unrecorded
+from celery_fenced.roles import is_fenced_task
 
 if TYPE_CHECKING:
     from celery.result import AsyncResult
 
-    from celery_fenced import store
-
 logger = logging.getLogger(__name__)
-
-#: the message header that marks a plain task's job the outbox holds: the worker that
-#: starts it ends its row (:func:`plain_job_started`)
-PLAIN_HEADER = "fenced_outbox"
 
 
 def record_plain(
@@ -57,9 +55,6 @@ def record_plain(
     kwargs: Any,
     options: dict[str, Any],
 ) -> Any:
-    from celery.utils import uuid
-
-    from celery_fenced import store
 
     task_id = options.pop("task_id", None) or uuid()
     to_parent = options.pop("add_to_parent", True)
@@ -151,21 +146,16 @@ def _held_until_started(app: Any, name: str) -> bool:
     too: sent on the commit, its row ends once it is sent, as its own publishes keep none
     — fenced by its class here, or by ``fenced_tasks`` when this process does not have it
     registered (the worker that runs it fences it)."""
-    from celery_fenced import conf
-    from celery_fenced.execution import FencedExecution
-
     task = app.tasks.get(name)
     if task is None:
         return conf.load(app).options_for(name) is None
-    return not isinstance(task, FencedExecution)
+    return not is_fenced_task(task)
 
 
 def _end_row(alias: str, task_id: str, done: str, job: str = "") -> None:
     """End ``task_id``'s outbox row once the job (named ``job`` in the log) is ``done``
     ("sent", "started"); the database away, it stands and the reclaimer may send the job
     again: at least once."""
-    from celery_fenced import store
-
     try:
         store.forget_pending(alias, task_id)
     except DatabaseError:
@@ -182,8 +172,6 @@ def plain_job_started(task_id: str, request: Any) -> None:
     """A worker starts a plain task's job the outbox holds (its message carries
     :data:`PLAIN_HEADER`): its row ends — it is not sent again. Not ended (the database
     away), the reclaimer may send it again: a plain job is at least once."""
-    from celery_fenced import store
-
     if getattr(request, PLAIN_HEADER, None):
         _end_row(store.database_alias(), task_id, "started")
 
@@ -193,8 +181,6 @@ def _sent_or_marked_unsent(
 ) -> bool:
     """``publish()`` a recorded job; refused (the broker down, an error), its row is
     marked unsent for the reclaimer's next sweep and the failure logged. Whether sent."""
-    from celery_fenced import store
-
     try:
         publish()
     except Exception as exc:
@@ -254,8 +240,6 @@ def publish(
     sends it (the caller is not told with an error: in a web request the transaction that
     recorded the job has committed, and a retried request would publish it twice).
     """
-    from celery_fenced import store
-
     alias = store.database_alias()
     pending = _pending(task, args, kwargs, task_id, options, key)
     if pending is None:
@@ -324,8 +308,6 @@ def _row(
 ) -> store.Pending | None:
     """The outbox row of a publish of task ``name`` (``fields``: the row's key,
     uniqueness, ...), or None when JSON cannot carry its job."""
-    from celery_fenced import conf, store
-
     expires = jobs.expiry(options.get("expires"))
     job = _encoded(app, name, args, kwargs, task_id, options, expires)
     if job is None:
@@ -347,9 +329,6 @@ def _deduplicated(
     task: Publisher, alias: str, pending: store.Pending, standing: str
 ) -> AsyncResult[Any]:
     """A ``lease_unique`` publish refused: the copy that stands is the caller's result."""
-    from celery_fenced import store
-    from celery_fenced.models import Lease
-
     token, owner = store.record_deduplicated(
         alias, pending.key, task.name, standing, pending.task_id
     )

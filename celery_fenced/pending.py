@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
-from celery_fenced import jobs, resend
+from celery_fenced import jobs, resend, store
+from celery_fenced.jobs import PLAIN_HEADER
 from celery_fenced.resend import Resent
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_fenced import store
     from celery_fenced.jobs import Job
 
 __all__ = ["Resent", "resend_pending"]
@@ -40,8 +40,6 @@ def resend_pending(
     get their ``REVOKED`` outcome, never a sending. Each row is claimed by a
     conditional statement, so several reclaimers send each due job once.
     """
-    from celery_fenced import store
-
     app, settings, alias = resend.sweep_setup(app, limit, using)
     outcomes = [
         resend.revoke(app, ExpiredRow(alias, *row), None)
@@ -99,19 +97,12 @@ class DueJob(resend.Claimed):
         return {"eta": eta} if eta is not None and eta > timezone.now() else {}
 
     def abandon(self, reason: str) -> None:
-        from celery_fenced import store
-
         store.abandon_pending(self.alias, self.due, reason)
 
     def unclaim(self) -> None:
-        from celery_fenced import store
-
         store.unclaim_due(self.alias, self.due)
 
     def sent(self, job: Job) -> None:
-        from celery_fenced import store
-        from celery_fenced.outbox import PLAIN_HEADER
-
         if self.due.plain and not (job.options.get("headers") or {}).get(PLAIN_HEADER):
             store.forget_pending(self.alias, self.task_id)  # not held until started: sent, it ends
 
@@ -159,6 +150,4 @@ class ExpiredRow(resend.Claimed):
         return True
 
     def revoked(self) -> None:
-        from celery_fenced import store
-
         store.forget_row(self.alias, self.row_id)

@@ -14,6 +14,8 @@ from typing import Any
 
 from django.db import connections
 
+from celery_fenced import store
+
 #: set while the package sends a message that must not wait for a commit: a retry or a
 #: replacement raised inside the caller's own transaction, which the raise rolls back
 _at_once: contextvars.ContextVar[bool] = contextvars.ContextVar("fenced_outbox_at_once")
@@ -91,8 +93,6 @@ def plain_sends_recorded(alias: str) -> Iterator[None]:
     least once.
     The app's ``send_task`` (:mod:`celery_fenced.sending`, given to every app) records.
     """
-    from celery_fenced import store
-
     if alias != store.database_alias() or not connections[alias].in_atomic_block:
         yield
         return

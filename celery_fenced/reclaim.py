@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import shared_task
 from celery.app.task import Context
+from django.db import transaction
 
-from celery_fenced import jobs, resend, signals
+from celery_fenced import jobs, keys, resend, signals, store
 from celery_fenced.jobs import CONTENT_TYPE as CONTENT_TYPE
 from celery_fenced.jobs import OPTION_NAMES as OPTION_NAMES
 from celery_fenced.jobs import VERSION as VERSION
@@ -39,6 +40,8 @@ from celery_fenced.jobs import delivery_of as delivery_of
 from celery_fenced.jobs import encode_job as encode_job
 from celery_fenced.jobs import expired as expired
 from celery_fenced.jobs import send_job as send_job
+from celery_fenced.models import ReclaimState
+from celery_fenced.pending import resend_pending
 from celery_fenced.resend import Resent
 from celery_fenced.resend import record_revoked as record_revoked
 from celery_fenced.validators import validate_seconds
@@ -97,7 +100,6 @@ def job_for(
     request = task.request
     if not request.id or getattr(request, "is_eager", False):
         return None
-    from celery_fenced import keys  # its models need Django's app registry
 
     options = _options(task, request)
     options["headers"] = keys.key_headers(key, task.name, request.id)
@@ -174,8 +176,6 @@ def reclaim_expired(
     (an ``abandoned`` event). ``dry_run`` claims nothing and sends nothing: it reports
     what a sweep would do. Claims are taken ``limit`` at a time until none is left.
     """
-    from celery_fenced import store
-
     if grace is not None:
         grace = validate_seconds(grace, "grace")
     app, settings, alias = resend.sweep_setup(app, limit, using)
@@ -249,8 +249,6 @@ class ExpiredGrant(resend.Claimed):
         return {"lease_key": self.key, "fencing_token": self.token, "task_id": self.task_id}
 
     def exhausted(self) -> str:
-        from celery_fenced.models import ReclaimState
-
         # abandoned by the claiming statement itself
         return "too many re-sends" if self.claim.state == ReclaimState.ABANDONED else ""
 
@@ -258,23 +256,15 @@ class ExpiredGrant(resend.Claimed):
         return self.now is not None and jobs.expired(job, self.now)
 
     def abandon(self, reason: str) -> None:
-        from celery_fenced import store
-        from celery_fenced.models import ReclaimState
-
         if self.claim.state != ReclaimState.ABANDONED:
             store.abandon(self.alias, self.claim, reason)
 
     def unclaim(self) -> None:
-        from celery_fenced import store
-
         store.unclaim(self.alias, self.claim)
 
     def end_revoked(self, app: Celery, job: Job | None) -> bool:
         """Its expired grant ended and its ``REVOKED`` recorded, in one transaction of the
         lease database (the backend records nothing while the job's grant stands)."""
-        from django.db import transaction
-
-        from celery_fenced import store
 
         with transaction.atomic(using=self.alias):
             ended = store.end_claimed(self.alias, self.claim, EXPIRED)
@@ -289,8 +279,6 @@ class ExpiredGrant(resend.Claimed):
         resend.signal(signals.lease_released, self, forced=True)
 
     def sent(self, job: Job) -> None:
-        from celery_fenced import store
-
         detail = {
             "attempt": self.attempt,
             "max": self.max_sends,
@@ -306,8 +294,6 @@ class ExpiredGrant(resend.Claimed):
 def _preview(
     alias: str, grace: float, resend_after: float, max_attempts: int, limit: int
 ) -> list[Reclaimed]:
-    from celery_fenced import store
-    from celery_fenced.models import ReclaimState
 
     claims = store.expired_unfinished(
         alias, grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
@@ -338,7 +324,5 @@ def reclaim_task(self: Task[Any, Any]) -> int:
     It sends again the jobs whose lease expired unfinished, and the published jobs no
     worker ever started (the outbox: :func:`celery_fenced.pending.resend_pending`).
     """
-    from celery_fenced.pending import resend_pending
-
     reclaimed = sum(1 for o in reclaim_expired(self.app) if o.action == "resent")
     return reclaimed + sum(1 for o in resend_pending(self.app) if o.action == "resent")

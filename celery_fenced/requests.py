@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from celery.utils.imports import symbol_by_name
 from celery.worker.request import Request
 
 from celery_fenced import owners
@@ -85,8 +86,6 @@ class FencedRequest(FencedRequestMixin, Request):  # type: ignore[misc]
 
 def request_class_for(base: Any) -> Any:
     """The fenced request class over a task's own ``Request`` (a class or its path)."""
-    from celery.utils.imports import symbol_by_name
-
     cls = symbol_by_name(base)
     if cls is Request:
         return FencedRequest

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery import states
+from celery import current_app, states
 from celery.app.task import Context
 
-from celery_fenced import signals
+from celery_fenced import conf, signals, store
 from celery_fenced.jobs import Job, decode_job, send_job
+from celery_fenced.models import Lease
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -144,11 +145,7 @@ def sweep_setup(
 ) -> tuple[Celery, FencedSettings, str]:
     """A sweep's app (the current one by default), settings and lease database alias;
     ``ValueError`` for a ``limit`` that is not an integer of 1 or more."""
-    from celery_fenced import conf, store
-
     if app is None:
-        from celery import current_app
-
         app = current_app
     settings = conf.load(app)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -243,8 +240,6 @@ def record_revoked(app: Celery, task_id: str, task_name: str, job: Job | None) -
 
 def signal(signal: Signal, row: Claimed, **extra: Any) -> None:
     """A lease signal for ``row`` (a pending job's has no token: it was never granted)."""
-    from celery_fenced.models import Lease
-
     signals.send(
         signal,
         Lease,

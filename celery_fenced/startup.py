@@ -18,9 +18,10 @@ from typing import Any
 from celery.app import app_or_default, backends
 from django.db import connections
 
-from celery_fenced import conf, hooks, keys
+from celery_fenced import conf, hooks, keys, store
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.execution import FencedExecution
+from celery_fenced.roles import is_fenced_backend
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +170,7 @@ def results_fenced(app: Any) -> bool:
         return True
     try:
         found: Any = backends.by_url(name, app.loader)
-        # not before: it imports django_celery_results' models, absent without the app (E004)
-        from celery_fenced.backends import FencedDatabaseBackend
-
-        return issubclass(found[0], FencedDatabaseBackend)
+        return is_fenced_backend(found[0])
     except Exception:  # not importable: Celery reports it when it loads the backend
         return False
 
@@ -195,9 +193,6 @@ def visibility_timeout(app: Any) -> tuple[str, float] | None:
 
 def lease_database() -> str:
     """The lease database's alias (:func:`celery_fenced.store.database_alias`)."""
-    # on use: the store imports django_celery_results' models, absent until E004 is fixed
-    from celery_fenced import store
-
     return store.database_alias()
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from celery.app.task import Context
 from celery.exceptions import Ignore
 
-from celery_fenced import conf, keys
+from celery_fenced import conf, keys, reclaim, store
 from celery_fenced.exceptions import AlreadyCompleted
 from celery_fenced.owners import execution_owner
 from celery_fenced.task_options import FencedOptions
@@ -54,8 +54,6 @@ class Granting(FencedOptions):
         retried at least as often as this one (a redelivered or re-sent message); a retry
         the body asked for before that execution ended (``retries`` above it) still runs.
         """
-        from celery_fenced import reclaim, store
-
         request = self.request
         retries = int(getattr(request, "retries", 0) or 0)
         delivery = self._delivery(task_id, args, kwargs) if task_id else None
@@ -104,16 +102,12 @@ class Granting(FencedOptions):
     ) -> None:
         """A delivery skipped (or failed) as busy ends its job like a completion: a copy
         of it the outbox sent again, arriving once the key is free, is a duplicate."""
-        from celery_fenced import store
-
         try:
             store.mark_ended(alias, self._delivery(task_id, args, kwargs))
         except Exception:
             logger.warning("could not mark %s ended as busy", task_id, exc_info=True)
 
     def _end_pending(self, alias: str, task_id: str) -> None:
-        from celery_fenced import store
-
         try:
             store.forget_pending(alias, task_id)
         except Exception:
@@ -139,8 +133,6 @@ def delivery_of(
     retry count as the body sees it (``request.retries``; the package's own re-sends keep
     it). The execution and the worker's main process reporting its end both name it so,
     with the message's arguments."""
-    from celery_fenced import store
-
     retries = int(getattr(request, "retries", 0) or 0)
     nesting = keys.replacements(getattr(request, "replaced_task_nesting", 0))
     digest = keys.message_digest(task_id, task_name, args, kwargs, nesting)

@@ -15,9 +15,11 @@ from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_fenced import outages
+from celery_fenced import outages, outbox, store
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
+from celery_fenced.renewal import renewer
 from celery_fenced.request_state import carry, state_of
+from celery_fenced.store import REPLACED
 from celery_fenced.task_options import FencedOptions
 
 if TYPE_CHECKING:
@@ -46,8 +48,6 @@ class Outcomes(FencedOptions):
         execution sends none (it gets :class:`StaleToken`). ``Retry`` is raised once the
         guard has committed: the outbox sends the message on that commit.
         """
-        from celery_fenced import outbox
-
         throw = kwargs.pop("throw", True)
         if len(args) > 3:  # retry(args, kwargs, exc, throw, ...)
             throw, args = args[3], (*args[:3], False, *args[4:])
@@ -72,9 +72,6 @@ class Outcomes(FencedOptions):
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
-        from celery_fenced import outbox
-        from celery_fenced.store import REPLACED
-
         with outbox.at_once_in_transaction(self._lease_alias()), self._proven():
             try:
                 return super().replace(sig)  # type: ignore[misc]
@@ -109,8 +106,6 @@ class Outcomes(FencedOptions):
 
     def _lease_alias(self) -> str:
         """The database of this execution's lease (the lease database when none is held)."""
-        from celery_fenced import store
-
         return self.lease.alias if self.lease is not None else store.database_alias()
 
     def _on_database_error(self, exc: Exception) -> NoReturn:
@@ -123,7 +118,6 @@ class Outcomes(FencedOptions):
         attempt = getattr(self.request, DATABASE_RETRIES, 0)
         attempt = attempt if isinstance(attempt, int) and attempt >= 0 else 0
         countdown = min(2.0 ** min(attempt, 4), 10.0)
-        from celery_fenced import outbox
 
         logger.warning(
             "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
@@ -147,8 +141,6 @@ class Outcomes(FencedOptions):
         task id, and fails the task with :class:`StaleToken` when another job holds the
         key.
         """
-        from celery_fenced import store
-
         if store.expired_unclaimed(lease):
             logger.warning(
                 "task %s[%s]: lease %r expired under token %s with no successor; retrying",
@@ -157,7 +149,6 @@ class Outcomes(FencedOptions):
                 lease.key,
                 lease.token,
             )
-            from celery_fenced.renewal import renewer
 
             renewer().unregister(lease)
             lease.forget()
@@ -221,8 +212,6 @@ class Outcomes(FencedOptions):
             self.__dict__.pop("override_max_retries", None)
 
     def _fenced_release(self, state: str) -> None:
-        from celery_fenced.renewal import renewer
-
         lease = self.lease
         if lease is None:
             return

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery.app.task import Context
+from celery.utils import uuid
 
-from celery_fenced import context, keys
+from celery_fenced import context, keys, outbox
 from celery_fenced.task_options import FencedOptions
 
 logger = logging.getLogger("celery_fenced.execution")
@@ -27,8 +28,6 @@ class Publishing(FencedOptions):
         A key header decided for another job (a parent's headers passed on) is not this
         job's; a retry with other arguments (``retry(args=...)``) works on what they name,
         and runs under their key."""
-        from celery_fenced import outbox
-
         serializer = options.get("serializer") or getattr(self, "serializer", None) or "json"
         task_id = options.get("task_id")
         retried = outbox.is_same_job() and self.request.id == task_id
@@ -62,12 +61,9 @@ class Publishing(FencedOptions):
         :mod:`celery_fenced.outbox`). Eager tasks (``task_always_eager``) and tasks with
         ``lease_outbox = False`` are sent as Celery sends them.
         """
-        from celery_fenced import outbox
-
         celery_apply_async = super().apply_async  # type: ignore[misc]
         if self.app.conf.task_always_eager:
             return celery_apply_async(args, kwargs, task_id, *more, **options)
-        from celery.utils import uuid
 
         def plain(*args: Any, **options: Any) -> Any:
             # decided here: the app's send_task it ends in does not publish it by name

@@ -12,6 +12,12 @@ from typing import Any, TextIO, cast
 
 import click
 
+#: the ``fenced`` command's one-line help, for ``manage.py fenced`` and ``celery fenced``
+HELP = (
+    "Inspect and operate celery-fenced leases: list, show KEY, release KEY, "
+    "prune --older-than DAYS, reclaim, beat."
+)
+
 
 @dataclass(frozen=True)
 class IO:

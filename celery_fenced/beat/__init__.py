@@ -19,8 +19,8 @@ __all__ = ["FencedDatabaseScheduler", "FencedScheduler"]
 
 
 def __getattr__(name: str) -> Any:
-    # django-celery-beat is optional: its scheduler is imported when asked for
     if name == "FencedDatabaseScheduler":
+        # django-celery-beat is optional: its scheduler is imported when asked for
         from celery_fenced.beat.database import FencedDatabaseScheduler
 
         return FencedDatabaseScheduler

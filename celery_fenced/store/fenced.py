@@ -16,7 +16,7 @@ from celery_fenced.context import open_guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
-from celery_fenced.store.dialects.tables import RESULT_ROW_KNOWN
+from celery_fenced.store.dialects.tables import result_row_known
 from celery_fenced.store.validation import database_alias
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def released_as(lease: HeldLease, status: str) -> bool:
 
 def writes_result_in_release(alias: str) -> bool:
     """Whether a success's result row can be written by the statement that releases."""
-    return RESULT_ROW_KNOWN and dialects.releasing_with_result(alias) is not None
+    return result_row_known() and dialects.releasing_with_result(alias) is not None
 
 
 def release_with_result(

@@ -11,7 +11,7 @@ from django.db import transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F
 
-from celery_fenced import conf, signals, validators
+from celery_fenced import conf, permits, signals, validators
 from celery_fenced.exceptions import AlreadyCompleted, FencedConfigurationError, LeaseBusy
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -424,8 +424,6 @@ def granted_again(lease_key: str, task_id: str, token: int, *, using: str | None
 def _permits_of(rows: Any, lease_key: str) -> list[str] | None:
     """The row keys of every permit of a permit row's key (``lease_key``'s included);
     None for a plain lease's key."""
-    from celery_fenced import permits
-
     key, index = permits.split(lease_key)
     if index is None:
         return None

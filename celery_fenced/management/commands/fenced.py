@@ -13,8 +13,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_fenced import commands, operations, store, tables, terminal
 from celery_fenced.beat import report as beat_report
-from celery_fenced.cli import HELP
 from celery_fenced.exceptions import FencedConfigurationError
+from celery_fenced.terminal import HELP
 
 DATABASE_HELP = "Database alias of the lease table (default: fenced_database, or the router's)."
 JSON_HELP = "Print JSON instead of a table."

@@ -9,12 +9,12 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import F
-from django_celery_results.models import TaskResult
 
 from celery_fenced.models import Completion, Lease, LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.base import DialectBase
 from celery_fenced.store.dialects.bookkeeping import claimable
 from celery_fenced.store.dialects.rows import abandoned_detail, aware, completes, released_detail
+from celery_fenced.store.dialects.tables import task_result_model
 from celery_fenced.store.types import (
     Claim,
     Completed,
@@ -321,7 +321,8 @@ class ORMDialect(DialectBase):
 
     def lock_for_result(self, task_id: str) -> None:
         list(
-            TaskResult._default_manager.using(self.alias)
+            task_result_model()
+            ._default_manager.using(self.alias)
             .select_for_update()
             .filter(task_id=task_id)
             .values_list("pk", flat=True)

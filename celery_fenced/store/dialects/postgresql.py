@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from django.db import IntegrityError
+
 from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
 from celery_fenced.store.dialects.sql import SQLDialect, Statements
 from celery_fenced.store.dialects.statements import postgresql as sql
@@ -199,8 +201,6 @@ class PostgreSQL(SQLDialect):
         """``statement``'s rows; none when it broke a unique constraint — a delivery of the
         same job granted another permit of the key meanwhile (the transaction then
         decides). In a transaction of the caller's, the statement runs in a savepoint."""
-        from django.db import IntegrityError
-
         connection = self.connection
         savepoint = connection.savepoint() if connection.in_atomic_block else None
         try:
