@@ -33,6 +33,7 @@ from tests.integration.test_seams import (
     expire,
     granted,
     status,
+    wait_for,
 )
 
 pytestmark = [
@@ -40,7 +41,10 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-FENCED_TASKS = {"atomic.charge": {"ttl": 30, "key": "charge:{name}", "atomic": True}}
+FENCED_TASKS = {
+    "atomic.charge": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.hold": {"ttl": 2, "key": "charge:{name}", "atomic": True},
+}
 #: what a body does once its gate opens, by thread name: "raise", "retry"
 ACTIONS: dict[str, str] = {}
 
@@ -55,6 +59,12 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         fenced_duplicate_window=3600,
     )
 
+    def write(name: str, thread: str) -> None:
+        Report.objects.filter(name=name).update(body=Concat(F("body"), Value(f"{thread};")))
+        report = Report.objects.get(name=name)
+        report.built_by = thread
+        report.save()
+
     @app.task(name="atomic.charge", bind=True, shared=False)
     def charge(self: Any, name: str) -> str:
         thread = threading.current_thread().name
@@ -62,10 +72,7 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         gate = GATES.get(thread)
         if gate is not None:
             assert gate.wait(60)
-        Report.objects.filter(name=name).update(body=Concat(F("body"), Value(f"{thread};")))
-        report = Report.objects.get(name=name)
-        report.built_by = thread
-        report.save()
+        write(name, thread)
         app.send_task("atomic.notify", args=[name, thread])
         action = ACTIONS.get(thread)
         if action == "raise":
@@ -73,6 +80,18 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         if action == "retry":
             raise self.retry(countdown=60, max_retries=3)
         return f"charged by {thread}"
+
+    @app.task(name="atomic.hold", shared=False)
+    def hold(name: str) -> str:
+        """Writes, then waits at its gate inside its transaction (its row locks held)."""
+        thread = threading.current_thread().name
+        write(name, thread)
+        RUNS.append(("atomic.hold", name, thread))  # written: its row locks held
+        gate = GATES.get(thread)
+        if gate is not None:
+            assert gate.wait(60)
+        Report.objects.filter(name=name).update(built_by=f"{thread} woke")
+        return f"held by {thread}"
 
     @app.task(name="atomic.notify", shared=False)
     def notify(name: str, by: str) -> None:
@@ -240,3 +259,30 @@ def test_atomic_body_not_settled_by_the_backend__proven_and_committed_in_the_bod
     assert report(lease_db) == ("MainThread;", "MainThread")
     assert not connections[lease_db].in_atomic_block
     assert transaction.get_autocommit(using=lease_db)
+
+
+def test_atomic_body_paused_after_writing__does_not_stall_the_current_one(
+    broker: Broker, lease_db: str
+) -> None:
+    """A writes the row, then is held inside its transaction (as if paused), its row lock
+    held; its grant expires and B takes over. The server ends A's session once it has been
+    idle in its transaction for about its ttl (2 s): B's write of the same row goes
+    through and B ends before A wakes; A's writes are gone."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite: one writer; nothing ends a paused holder's transaction")
+    result = broker.app.send_task("atomic.hold", args=["inv-1"])
+    message = broker.one("atomic.hold")
+    a = Execution(broker.app, message, "A")
+    lease = granted(lease_db, result.id, 1)
+    wait_for(lambda: ("atomic.hold", "inv-1", "A") in RUNS, "A's writes")
+    expire(lease_db, lease)
+    b = Execution(broker.app, message, "B")
+    b.gate.set()
+    b.thread.join(15)  # stalled by A for about A's ttl, not until A wakes (60 s)
+    assert not b.thread.is_alive()
+    assert b.outcome
+    assert report(lease_db) == ("B;", "B woke")
+    assert a.thread.is_alive()  # A is still held: B did not wait for it to wake
+    a.finish()
+    assert report(lease_db) == ("B;", "B woke")
+    assert status(lease_db, result.id) == (states.SUCCESS, '"held by B"')
