@@ -13,7 +13,7 @@ from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import outbox, store, workflow
+from celery_fenced import atomic, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import add_meta, carry, state_of
@@ -54,6 +54,11 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         proves, releases and writes the result row (see :meth:`_in_one_statement`).
         """
         releasing = status in RELEASING_STATES
+        body = atomic.body_of(request, lease)
+        if body is not None and releasing:
+            if status == states.SUCCESS:
+                return self._settle_in_body(body, task_id, result, status, request, lease, then)
+            body.rollback()  # an outcome that is no success commits nothing of the body
 
         again = from_scratch(request)
 
@@ -80,6 +85,42 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             renewer().unregister(lease)
             lease.confirm_released()
         return proven
+
+    def _settle_in_body(
+        self,
+        body: atomic.BodyTransaction,
+        task_id: str,
+        result: Any,
+        status: str,
+        request: Context | None,
+        lease: HeldLease,
+        then: Callable[[], None] | None,
+    ) -> bool:
+        """The success of an atomic body, settled inside the body's own transaction.
+
+        The proof, the release and what ``then`` writes and sends run on the connection
+        that holds the body's writes, and commit with them. Refused, the body rolls back
+        first: the refusal is recorded after, in a transaction of its own. Nothing is
+        tried again after a database outage: the body's writes went with the connection.
+        """
+        try:
+            self._prove_then(task_id, status, request, lease, True, then or (lambda: None))
+        except store.Refused as refused:
+            body.rollback()
+            self._refuse(task_id, result, status, request, lease, refused.current)
+            return False
+        except BaseException:
+            body.rollback()
+            raise
+        body.commit()
+        renewer().unregister(lease)
+        lease.confirm_released()
+        return True
+
+    def process_cleanup(self) -> None:
+        """After every task: an atomic body's transaction still open is rolled back."""
+        atomic.close_leaked()
+        super().process_cleanup()
 
     def _prove_then(
         self,

@@ -57,6 +57,9 @@ class TaskOptions:
     # up to this many holders of the key at once, each with a permit of its own (a
     # fencing token of the key's one sequence); None: one holder, the plain lease
     limit: int | None = None
+    # the body runs in one transaction on the lease database, committed with the proof
+    # of its token, its result and its release (see :mod:`celery_fenced.atomic`)
+    atomic: bool = False
 
     def __post_init__(self) -> None:
         if self.reclaim is None:
@@ -90,6 +93,9 @@ class FencedSettings:
     outbox_resend_after: float = 300.0
     #: permits per key of tasks that set no ``lease_limit`` (None: one holder)
     default_limit: int | None = None
+    #: bodies of tasks that set no ``lease_atomic`` run in one transaction, committed
+    #: with their token's proof and their result (:mod:`celery_fenced.atomic`)
+    atomic: bool = False
     #: a worker serves its Prometheus metrics on this port (None: it does not)
     metrics_port: int | None = None
     #: the lease a fenced beat's leader holds (None: ``"celery-beat:<app main name>"``)
@@ -147,6 +153,7 @@ class FencedSettings:
         outbox: object = None,
         unique: object = None,
         limit: object = None,
+        atomic: object = None,
     ) -> TaskOptions:
         """Merge one task's options over the global defaults and validate them."""
         real_ttl = validate_positive_seconds(
@@ -185,6 +192,7 @@ class FencedSettings:
                 f"{where} unique='until_done' keeps one copy queued or running: it cannot "
                 f"have permits too (limit={permits}); use unique='until_started', or no limit"
             )
+        whole = self.atomic if atomic is None else validate_bool(atomic, f"{where} atomic")
         return TaskOptions(
             ttl=real_ttl,
             on_busy=busy,
@@ -194,6 +202,7 @@ class FencedSettings:
             outbox=recorded,
             unique=one_copy,
             limit=permits,
+            atomic=whole,
         )
 
 
@@ -354,6 +363,7 @@ def _load(app: Any) -> FencedSettings:
         metrics_port=validate_metrics_port(raw["fenced_metrics_port"], "fenced_metrics_port"),
         beat_key=validate_beat_key(raw["fenced_beat_key"], "fenced_beat_key"),
         beat_ttl=validate_positive_seconds(raw["fenced_beat_ttl"], "fenced_beat_ttl"),
+        atomic=validate_bool(raw["fenced_atomic"], "fenced_atomic"),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"
@@ -383,6 +393,7 @@ def _load(app: Any) -> FencedSettings:
             outbox=options.get("outbox"),
             unique=options.get("unique"),
             limit=options.get("limit"),
+            atomic=options.get("atomic"),
         )
     return settings
 

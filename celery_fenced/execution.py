@@ -10,7 +10,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 
-from celery_fenced import context, store, workflow
+from celery_fenced import atomic, context, store, workflow
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.owners import execution_owner
 from celery_fenced.renewal import renewer
@@ -148,8 +148,24 @@ class FencedExecution(Publishing, Outcomes, Granting):
 
     def _run_body(self, lease: HeldLease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The task's body, run under ``lease``: granted before, settled after (the result
-        backend proves the token with the outcome's write, then releases)."""
-        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        backend proves the token with the outcome's write, then releases).
+
+        An atomic body (``lease_atomic``) runs inside one transaction on the lease's
+        database, committed with the proof and the outcome (:mod:`celery_fenced.atomic`).
+        """
+        call = super().__call__  # type: ignore[misc]
+        if not self.fenced_options().atomic:
+            return call(*args, **kwargs)
+        request = self.request
+        return atomic.run_body(
+            self.name,
+            request,
+            lease,
+            call,
+            args,
+            kwargs,
+            settled_by_backend=not request.called_directly and self._backend_is_fenced(),
+        )
 
     def _backend_is_fenced(self) -> bool:
         return is_fenced_backend(self.backend)  # type: ignore[attr-defined]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from celery_fenced.atomic import BodyTransaction
     from celery_fenced.requests import EndedProcess
     from celery_fenced.store import HeldLease
 
@@ -48,6 +49,9 @@ class RequestState:
     #: the pool process whose end the worker's main process reports (see
     #: :mod:`celery_fenced.requests`)
     process: EndedProcess | None = None
+    #: the transaction of an atomic body (``lease_atomic``), open from the body's start
+    #: until the backend commits it with the result (or anything rolls it back)
+    atomic: BodyTransaction | None = None
 
 
 #: the state of a request we never set one on

@@ -70,7 +70,7 @@ def _send_task(
             if fenced.outbox and not outbox.sends_at_once():
                 return _publish(app, original, name, fenced, args, kwargs, options, key)
     alias = outbox.plain_recording()
-    if alias is not None:
+    if alias is not None and not outbox.sends_at_once():  # a raised retry is sent now
         return outbox.record_plain(app, original, alias, name, args, kwargs, options)
     return original(name, args, kwargs, **options)
 

@@ -47,6 +47,9 @@ def validate_task_class(cls: type) -> None:
     if unique is not None:
         validators.validate_unique(unique, f"{where} option lease_unique")
     validators.validate_limit(cls.__dict__.get("lease_limit"), f"{where} option lease_limit")
+    atomic = cls.__dict__.get("lease_atomic")
+    if atomic is not None:
+        validators.validate_bool(atomic, f"{where} option lease_atomic")
     key = cls.__dict__.get("lease_key")
     if key is not None:
         if isinstance(key, str):

@@ -17,7 +17,7 @@ class FencedOptions:
 
     Subclasses give their options as class attributes (``lease_key``, ``lease_ttl``,
     ``lease_on_busy``, ``lease_renew_interval``, ``lease_reclaim``, ``lease_outbox``,
-    ``lease_unique``, ``lease_limit``);
+    ``lease_unique``, ``lease_limit``, ``lease_atomic``);
     tasks fenced through the ``fenced_tasks`` setting get them from there
     (``_fenced_config``).
     """
@@ -30,6 +30,7 @@ class FencedOptions:
     lease_outbox: bool | None = None
     lease_unique: str | None = None
     lease_limit: int | None = None
+    lease_atomic: bool | None = None
     _fenced_config: dict[str, Any] | None = None
 
     name: str
@@ -55,6 +56,7 @@ class FencedOptions:
             self.lease_outbox,
             self.lease_unique,
             self.lease_limit,
+            self.lease_atomic,
         )
         kept = self.__dict__.get("_fenced_options_kept")
         if kept is not None and all(map(operator.is_, kept[0], sources)):
@@ -77,4 +79,5 @@ class FencedOptions:
             outbox=self.lease_outbox,
             unique=self.lease_unique,
             limit=self.lease_limit,
+            atomic=self.lease_atomic,
         )

@@ -21,6 +21,7 @@ TASK_OPTION_NAMES = (
     "outbox",
     "unique",
     "limit",
+    "atomic",
 )
 #: the most permits a key can have (``lease_limit``)
 MAX_LIMIT = 10_000

@@ -210,6 +210,12 @@ def prove_for_result(
     return ok, current
 
 
+def prove_current(lease: HeldLease) -> tuple[bool, int | None]:
+    """Lock ``lease``'s row inside the caller's transaction and tell whether its token is
+    the key's current, unexpired grant: ``(ok, the key's current token)``."""
+    return dialects.for_alias(lease.alias).prove_current(lease.key, lease.token)
+
+
 def released_as(lease: HeldLease, status: str) -> bool:
     """Whether ``lease``'s grant was released in ``status`` by its holder's outcome (a
     commit whose answer was lost with the connection): its row still carries its token."""

@@ -1,0 +1,273 @@
+"""Atomic task bodies (``lease_atomic``): every write of the body fenced, by configuration.
+
+The body runs inside one transaction on the lease database, opened after the grant has
+committed. Its writes, the token's proof (the lease row locked, the token still the
+key's), the result row, the release and the outbox rows of what it published commit
+together, or nothing does:
+
+- The body returns: with the fenced result backend, the transaction stays open past the
+  return; the backend proves the token, writes the result and releases *on that same
+  connection, inside it*, then commits it (:meth:`BodyTransaction.commit`). Refused (the
+  token is no longer current), everything rolls back and the refusal is recorded after
+  the rollback. Without the fenced backend (or called directly) the token is proven
+  here and the body's writes commit; the result is written apart.
+- The body raises (a ``Retry`` too): its writes roll back at once; the failure or the
+  retry is recorded under the proof as without ``lease_atomic``. A raised retry is sent
+  at once under its own proof (see ``Outcomes.retry``).
+- What the body publishes is an outbox row in its transaction: a fenced task's
+  ``apply_async`` is recorded anyway; a plain task's is recorded too while the body runs
+  (:func:`celery_fenced.outbox.plain_sends_recorded`). Nothing is sent before the commit.
+- A paused execution must not stall the current one: the transaction is bounded on the
+  server, which ends a session idle in it longer than the lease's ttl
+  (PostgreSQL's ``idle_in_transaction_session_timeout``, MariaDB's
+  ``idle_transaction_timeout``), releasing its row locks. SQLite cannot bound it.
+- A write to another database alias while the body runs is not covered: it is named in a
+  warning, once per task and alias.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, connections, transaction
+
+from celery_fenced import outbox, store
+from celery_fenced.request_state import carry, state_of
+
+if TYPE_CHECKING:
+    from celery_fenced.store import HeldLease
+
+logger = logging.getLogger(__name__)
+
+#: the statements that change a database (a statement's first word, upper case)
+WRITES = frozenset({"INSERT", "UPDATE", "DELETE", "REPLACE", "MERGE", "CREATE", "DROP", "ALTER"})
+
+_local = threading.local()
+#: (task name, alias) pairs already warned about a write outside the body's transaction
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+class BodyTransaction:
+    """The open transaction of one atomic body on its lease's database (this thread's)."""
+
+    def __init__(self, lease: HeldLease) -> None:
+        self.lease = lease
+        self.alias = lease.alias
+        self.open = False
+        self._atomic = transaction.atomic(using=lease.alias)
+        self._restore: Callable[[], None] | None = None
+
+    def begin(self) -> None:
+        """Open the transaction, bounded to about the lease's ttl of idleness."""
+        self._atomic.__enter__()
+        self.open = True
+        _open_bodies().append(self)
+        try:
+            self._restore = _bound(self.alias, self.lease.ttl)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def commit(self) -> None:
+        """Commit it (Django rolls back and raises when the commit fails)."""
+        if not self.open:
+            return
+        if connections[self.alias].needs_rollback:
+            self.rollback()
+            raise DatabaseError(
+                f"the atomic body of {self.lease.key!r} (token {self.lease.token}) was not "
+                "committed: a database error inside its transaction was swallowed"
+            )
+        self._end(None)
+
+    def rollback(self) -> None:
+        """Roll it back (nothing of it commits); a connection the server ended is closed."""
+        if not self.open:
+            return
+        transaction.set_rollback(True, using=self.alias)
+        self._end(None)
+
+    def _end(self, _: None) -> None:
+        self.open = False
+        bodies = _open_bodies()
+        if self in bodies:
+            bodies.remove(self)
+        try:
+            self._atomic.__exit__(None, None, None)
+        finally:
+            restore, self._restore = self._restore, None
+            if restore is not None:
+                _quietly(restore)
+
+
+def _open_bodies() -> list[BodyTransaction]:
+    bodies: list[BodyTransaction] | None = getattr(_local, "bodies", None)
+    if bodies is None:
+        bodies = _local.bodies = []
+    return bodies
+
+
+def body_of(request: object, lease: HeldLease) -> BodyTransaction | None:
+    """The open body transaction of ``request`` under ``lease`` on this thread, or None."""
+    body = state_of(request).atomic
+    if body is None or not body.open or body.lease is not lease or body not in _open_bodies():
+        return None
+    return body
+
+
+def close_leaked() -> None:
+    """Roll back every body transaction still open on this thread (after the task ended:
+    a backend that raised before it committed, a tracer that never settled)."""
+    for body in list(_open_bodies()):
+        logger.warning(
+            "the atomic body of lease %r (token %s) was still open after its task ended; "
+            "rolled back",
+            body.lease.key,
+            body.lease.token,
+            extra={"lease_key": body.lease.key, "fencing_token": body.lease.token},
+        )
+        _quietly(body.rollback)
+
+
+def run_body(
+    task_name: str,
+    request: Any,
+    lease: HeldLease,
+    call: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    settled_by_backend: bool,
+) -> Any:
+    """Run ``call(*args, **kwargs)`` inside a transaction on the lease's database.
+
+    ``settled_by_backend``: the fenced result backend commits it with the result and the
+    release (the transaction stays open past the return); otherwise the token is proven
+    and the transaction committed here.
+    """
+    close_leaked()  # never run a body inside another's forgotten transaction
+    body = BodyTransaction(lease)
+    body.begin()
+    carry(request, replace(state_of(request), atomic=body))
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(outbox.plain_sends_recorded(lease.alias))
+            stack.enter_context(_other_writes_named(task_name, lease.alias))
+            retval = call(*args, **kwargs)
+        if connections[lease.alias].needs_rollback:
+            raise DatabaseError(
+                f"task {task_name}: a database error inside its atomic body was swallowed; "
+                "its writes are rolled back"
+            )
+    except BaseException:
+        body.rollback()
+        raise
+    if settled_by_backend:
+        return retval
+    try:
+        ok, current = store.prove_current(lease)
+    except BaseException:
+        body.rollback()
+        raise
+    if not ok:
+        body.rollback()
+        lease.mark_lost(f"atomic body refused: current token is {current}", warn=False)
+        raise store.reject_stale(
+            lease.key,
+            lease.token,
+            current if current != lease.token else None,
+            using=lease.alias,
+            task_id=lease.task_id,
+            owner=lease.owner,
+            what="atomic body",
+            task_name=lease.task_name,
+        )
+    body.commit()
+    return retval
+
+
+def _bound(alias: str, ttl: float) -> Callable[[], None] | None:
+    """Have the server end this session when it idles in its transaction about ``ttl``
+    seconds (a paused holder's locks are not held much past its lease); a function that
+    undoes what stays on the session, or None."""
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:  # local to the transaction: nothing stays
+            cursor.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, true)",
+                [str(max(1000, math.ceil(ttl * 1000)))],
+            )
+        return None
+    if connection.vendor == "mysql" and getattr(connection, "mysql_is_mariadb", False):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT @@SESSION.idle_transaction_timeout")
+            (before,) = cursor.fetchone()
+            cursor.execute("SET SESSION idle_transaction_timeout = %s", [max(1, math.ceil(ttl))])
+
+        def restore() -> None:
+            if connection.connection is not None and connection.is_usable():
+                with connection.cursor() as cursor:
+                    cursor.execute("SET SESSION idle_transaction_timeout = %s", [int(before)])
+
+        return restore
+    return None  # SQLite (and MySQL): nothing on the server can bound it
+
+
+@contextmanager
+def _other_writes_named(task_name: str, lease_alias: str) -> Iterator[None]:
+    """Warn, once per task and alias, of a write the body makes to another database alias:
+    it commits on its own, whatever becomes of the body's transaction."""
+    with ExitStack() as stack:
+        for alias in connections:
+            if alias == lease_alias:
+                continue
+            stack.enter_context(
+                connections[alias].execute_wrapper(_write_watcher(task_name, alias))
+            )
+        yield
+
+
+def _write_watcher(task_name: str, alias: str) -> Callable[..., Any]:
+    def watch(execute: Callable[..., Any], sql: Any, params: Any, many: bool, context: Any) -> Any:
+        if _is_write(sql):
+            _warn_once(task_name, alias)
+        return execute(sql, params, many, context)
+
+    return watch
+
+
+def _is_write(sql: Any) -> bool:
+    words = str(sql).lstrip(" (\n\t").split(None, 1)
+    return bool(words) and words[0].upper() in WRITES
+
+
+def _warn_once(task_name: str, alias: str) -> None:
+    with _warned_lock:
+        if (task_name, alias) in _warned:
+            return
+        _warned.add((task_name, alias))
+    logger.warning(
+        "task %s has an atomic body but wrote to the database %r: that write is not "
+        "fenced and commits on its own; fence it with fenced_update() or guard(), or "
+        "use the fencing token as its idempotency key",
+        task_name,
+        alias,
+        extra={"task_name": task_name, "alias": alias},
+    )
+
+
+def _quietly(step: Callable[[], None]) -> None:
+    try:
+        step()
+    except Exception:
+        logger.info("closing an atomic body's transaction failed", exc_info=True)
+
+
+__all__ = ["BodyTransaction", "body_of", "close_leaked", "run_body"]

@@ -1,0 +1,288 @@
+"""Atomic task bodies (``"atomic": True``), through Celery's own tracer.
+
+A task fenced by configuration alone (``fenced_tasks``), whose body makes plain writes (a
+``QuerySet.update()`` and a ``save()``) and publishes a plain child task: its writes,
+its child and its result commit together with the proof of its token, or not at all.
+Messages are captured and delivered as in ``test_seams``; a stale execution is one whose
+grant expired while its body was held at a gate and was taken over by another delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, signals, states
+from django.db import connections, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Concat
+
+from celery_fenced import hooks
+from celery_fenced.models import Lease, LeaseEvent, PendingJob
+from testproject.demo.models import Report
+from tests.conftest import WITH_MARIADB
+from tests.integration.test_seams import (
+    GATES,
+    RUNS,
+    Broker,
+    Execution,
+    deliver,
+    expire,
+    granted,
+    status,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=WITH_MARIADB),
+    pytest.mark.timeout(120),
+]
+
+FENCED_TASKS = {
+    "atomic.charge": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.hold": {"ttl": 2, "key": "charge:{name}", "atomic": True},
+}
+#: what a body does once its gate opens, by thread name: "raise", "retry"
+ACTIONS: dict[str, str] = {}
+
+
+def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
+    app = Celery("atomic", set_as_current=False, broker="memory://")
+    app.conf.update(
+        result_backend="celery_fenced.backends:FencedDatabaseBackend",
+        result_extended=True,
+        task_default_queue="atomic",
+        fenced_tasks=fenced_tasks,
+        fenced_duplicate_window=3600,
+    )
+
+    def write(name: str, thread: str) -> None:
+        Report.objects.filter(name=name).update(body=Concat(F("body"), Value(f"{thread};")))
+        report = Report.objects.get(name=name)
+        report.built_by = thread
+        report.save()
+
+    @app.task(name="atomic.charge", bind=True, shared=False)
+    def charge(self: Any, name: str) -> str:
+        thread = threading.current_thread().name
+        RUNS.append(("atomic.charge", name, thread))
+        gate = GATES.get(thread)
+        if gate is not None:
+            assert gate.wait(60)
+        write(name, thread)
+        app.send_task("atomic.notify", args=[name, thread])
+        action = ACTIONS.get(thread)
+        if action == "raise":
+            raise ValueError(f"charge failed in {thread}")
+        if action == "retry":
+            raise self.retry(countdown=60, max_retries=3)
+        return f"charged by {thread}"
+
+    @app.task(name="atomic.hold", shared=False)
+    def hold(name: str) -> str:
+        """Writes, then waits at its gate inside its transaction (its row locks held)."""
+        thread = threading.current_thread().name
+        write(name, thread)
+        RUNS.append(("atomic.hold", name, thread))  # written: its row locks held
+        gate = GATES.get(thread)
+        if gate is not None:
+            assert gate.wait(60)
+        Report.objects.filter(name=name).update(built_by=f"{thread} woke")
+        return f"held by {thread}"
+
+    @app.task(name="atomic.notify", shared=False)
+    def notify(name: str, by: str) -> None:
+        RUNS.append(("atomic.notify", (name, by), threading.current_thread().name))
+
+    return app
+
+
+@pytest.fixture
+def broker(lease_db: str) -> Iterator[Broker]:
+    app = make_app()
+    hooks.fence_in_every_process()  # what celery_fenced's AppConfig.ready() does
+    recorded = Broker(app)
+    signals.before_task_publish.connect(recorded.record, weak=False)
+    GATES.clear()
+    RUNS.clear()
+    ACTIONS.clear()
+    Report.objects.using(lease_db).create(name="inv-1")
+    yield recorded
+    signals.before_task_publish.disconnect(recorded.record)
+    for gate in GATES.values():
+        gate.set()
+
+
+def report(alias: str) -> tuple[str, str]:
+    row = Report.objects.using(alias).get(name="inv-1")
+    return row.body, row.built_by
+
+
+def runs(name: str) -> list[Any]:
+    return [value for task, value, _ in RUNS if task == name]
+
+
+def test_atomic_body__writes_child_and_result_commit_together(
+    broker: Broker, lease_db: str
+) -> None:
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.charge"))
+    assert status(lease_db, result.id) == (states.SUCCESS, '"charged by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    deliver(broker.app, broker.one("atomic.notify"))
+    assert runs("atomic.notify") == [("inv-1", "MainThread")]
+    assert Lease.objects.using(lease_db).get(key="charge:inv-1").released_at is not None
+    assert not connections[lease_db].in_atomic_block
+
+
+def test_atomic_body_made_stale__its_writes_and_child_are_gone(
+    broker: Broker, lease_db: str
+) -> None:
+    """A is held in its body; its grant expires and B takes over, writes and ends; A then
+    writes the same row, publishes its child and returns: A's proof is refused, so its
+    writes, its child and its outcome roll back; B's stand and B's child runs once."""
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    message = broker.one("atomic.charge")
+    a = Execution(broker.app, message, "A")
+    expire(lease_db, granted(lease_db, result.id, 1))
+    b = Execution(broker.app, message, "B")
+    granted(lease_db, result.id, 2)
+    b.finish()
+    assert report(lease_db) == ("B;", "B")
+    a.finish()
+    assert report(lease_db) == ("B;", "B")  # A's update and save rolled back
+    assert status(lease_db, result.id) == (states.SUCCESS, '"charged by B"')
+    (child,) = broker.sent("atomic.notify")  # A's child never sent
+    deliver(broker.app, child)
+    assert runs("atomic.notify") == [("inv-1", "B")]
+    assert PendingJob.objects.using(lease_db).count() == 0  # A's outbox row rolled back
+    rejected = LeaseEvent.objects.using(lease_db).filter(
+        kind=LeaseEvent.Kind.STALE_WRITE_REJECTED, token=1
+    )
+    assert rejected.count() == 1  # recorded outside the rolled-back transaction
+
+
+def test_atomic_body_force_released__nothing_commits(broker: Broker, lease_db: str) -> None:
+    from celery_fenced import force_release
+
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    a = Execution(broker.app, broker.one("atomic.charge"), "A")
+    granted(lease_db, result.id, 1)
+    force_release("charge:inv-1")
+    a.finish()
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    assert status(lease_db, result.id)[0] == states.FAILURE  # StaleToken, for its caller
+
+
+def test_atomic_body_raises__its_writes_roll_back_and_the_failure_is_recorded(
+    broker: Broker, lease_db: str
+) -> None:
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    ACTIONS["MainThread"] = "raise"
+    deliver(broker.app, broker.one("atomic.charge"))
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    assert status(lease_db, result.id)[0] == states.FAILURE
+    assert Lease.objects.using(lease_db).get(key="charge:inv-1").released_at is not None
+    assert not connections[lease_db].in_atomic_block
+
+
+def test_atomic_body_retries__the_retry_is_sent_and_its_writes_roll_back(
+    broker: Broker, lease_db: str
+) -> None:
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    ACTIONS["MainThread"] = "retry"
+    deliver(broker.app, broker.one("atomic.charge"))
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    (_, again) = broker.sent("atomic.charge")
+    assert again[0]["id"] == result.id
+    assert again[0]["retries"] == 1
+    assert status(lease_db, result.id)[0] == states.RETRY
+
+
+def test_atomic_body_left_open__closed_by_the_backends_cleanup(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A settle that never ran (a backend that raised before it): the task's end rolls the
+    body's transaction back, with a warning; the next task runs outside it."""
+    from celery_fenced.backends import FencedDatabaseBackend
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the backend failed")
+
+    monkeypatch.setattr(FencedDatabaseBackend, "_settle_in_body", broken)
+    broker.app.send_task("atomic.charge", args=["inv-1"])
+    with (
+        caplog.at_level(logging.WARNING, logger="celery_fenced.atomic"),
+        pytest.warns(RuntimeWarning, match="the backend failed"),
+    ):
+        deliver(broker.app, broker.one("atomic.charge"))
+    assert any("still open after its task ended" in r.getMessage() for r in caplog.records)
+    assert not connections[lease_db].in_atomic_block
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+
+
+def test_atomic_body_writes_another_alias__warned_once(
+    broker: Broker, lease_db: str, caplog: Any
+) -> None:
+    other = "postgres" if lease_db != "postgres" else "default"
+    app = broker.app
+
+    @app.task(name="atomic.elsewhere", bind=True, shared=False)
+    def elsewhere(self: Any) -> None:
+        Report.objects.using(other).filter(name="none").update(body="x")
+
+    app.conf.fenced_tasks = {**FENCED_TASKS, "atomic.elsewhere": {"atomic": True}}
+    hooks.fence_in_every_process()
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.atomic"):
+        for _ in range(2):
+            app.send_task("atomic.elsewhere")
+            deliver(app, broker.sent("atomic.elsewhere")[-1])
+    warned = [r for r in caplog.records if "wrote to the database" in r.getMessage()]
+    assert len(warned) == 1
+    assert repr(other) in warned[0].getMessage()
+
+
+def test_atomic_body_not_settled_by_the_backend__proven_and_committed_in_the_body(
+    broker: Broker, lease_db: str
+) -> None:
+    """Called directly (no tracer, no backend): the token is proven in the body's
+    transaction before it commits."""
+    task = broker.app.tasks["atomic.charge"]
+    assert task("inv-1") == "charged by MainThread"
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert not connections[lease_db].in_atomic_block
+    assert transaction.get_autocommit(using=lease_db)
+
+
+def test_atomic_body_paused_after_writing__does_not_stall_the_current_one(
+    broker: Broker, lease_db: str
+) -> None:
+    """A writes the row, then is held inside its transaction (as if paused), its row lock
+    held; its grant expires and B takes over. The server ends A's session once it has been
+    idle in its transaction for about its ttl (2 s): B's write of the same row goes
+    through and B ends before A wakes; A's writes are gone."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite: one writer; nothing ends a paused holder's transaction")
+    result = broker.app.send_task("atomic.hold", args=["inv-1"])
+    message = broker.one("atomic.hold")
+    a = Execution(broker.app, message, "A")
+    lease = granted(lease_db, result.id, 1)
+    wait_for(lambda: ("atomic.hold", "inv-1", "A") in RUNS, "A's writes")
+    expire(lease_db, lease)
+    b = Execution(broker.app, message, "B")
+    b.gate.set()
+    b.thread.join(15)  # stalled by A for about A's ttl, not until A wakes (60 s)
+    assert not b.thread.is_alive()
+    assert b.outcome
+    assert report(lease_db) == ("B;", "B woke")
+    assert a.thread.is_alive()  # A is still held: B did not wait for it to wake
+    a.finish()
+    assert report(lease_db) == ("B;", "B woke")
+    assert status(lease_db, result.id) == (states.SUCCESS, '"held by B"')
