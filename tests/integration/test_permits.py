@@ -344,6 +344,24 @@ def test_postgresql__a_free_permit_is_granted_in_one_statement() -> None:
     assert len(data_statements(queries)) == 1
 
 
+def test_postgresql__a_released_permit__granted_without_the_takeovers_tables() -> None:
+    """The routine grant of a released permit opens neither the events table (no routine
+    events) nor the outbox's, and names the first ``limit`` permits itself: the cheaper
+    statement to plan and run; a takeover's statement is the second one."""
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.integration.test_store import data_statements
+
+    acquire("k", ttl=30, limit=3, using="postgres").release()
+    with CaptureQueriesContext(connections["postgres"]) as queries:
+        lease = acquire("k", ttl=30, limit=3, task_id="t", using="postgres")
+    (statement,) = data_statements(queries)
+    assert lease.key == permits.permit_key("k", 0)
+    assert "celery_fenced_leaseevent" not in statement
+    assert "celery_fenced_pendingjob" not in statement
+    assert "generate_series" not in statement
+
+
 # -- through Celery's tracer ---------------------------------------------------------------
 def test_tracer__two_run_at_once__a_third_waits__a_stale_permit_holders_result_refused(
     broker: Any, lease_db: str

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.db import IntegrityError
 
+from celery_fenced import permits
 from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
 from celery_fenced.store.dialects.sql import SQLDialect, Statements
 from celery_fenced.store.dialects.statements import postgresql as sql
@@ -186,9 +187,11 @@ class PostgreSQL(SQLDialect):
         """
         assert request.limit is not None
         unless_completed, fields = self._grant_fields(request)
+        fields["names"] = [permits.permit_key(request.key, i) for i in range(request.limit)]
+        end = _pending_end(request)
         rows = self._unless_conflicting(
-            sql.GRANT_PERMIT[_pending_end(request), unless_completed], fields
-        )
+            sql.GRANT_PERMIT_ROUTINE[request.routine_events, end, unless_completed], fields
+        ) or self._unless_conflicting(sql.GRANT_PERMIT[end, unless_completed], fields)
         if rows:
             lease_id, token, expires_at, reclaimed_from, marker, key, before = rows[0]
             previous = aware(before) if reclaimed_from and before is not None else None
