@@ -24,6 +24,12 @@ KEY = "celery-beat:seams"
 
 
 @pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
+
+@pytest.fixture
 def beats(broker: Broker) -> Iterator[list[Any]]:
     made: list[Any] = []
     broker.app.conf.beat_schedule = {}
