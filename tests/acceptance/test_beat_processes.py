@@ -1,6 +1,6 @@
 """Three real `celery beat` processes with the fenced scheduler and a real worker: the
 leader paused past its ttl and resumed, the next one killed, a standby started late —
-every tick of a 1-second entry runs once."""
+every tick of a 1-second entry runs once (on Redis, and on RabbitMQ with PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from testproject.demo.models import ChaosEntry
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases="__all__"),
     pytest.mark.workers,
-    pytest.mark.broker("redis"),
     pytest.mark.timeout(180),
 ]
 
