@@ -14,6 +14,7 @@ from typing import Any
 
 from celery.beat import ScheduleEntry
 from celery.utils.time import maybe_make_aware
+from django.db import router
 from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_fenced.beat.scheduler import FencedSchedulerMixin
@@ -27,6 +28,14 @@ class FencedDatabaseScheduler(FencedSchedulerMixin, DatabaseScheduler):  # type:
         model = getattr(entry, "model", None)
         if model is not None:
             model.last_run_at = last_tick
+
+    def _recorded_in_tick(self, entry: ScheduleEntry) -> None:
+        """Save the ``PeriodicTask``'s run (``last_run_at``, ``total_run_count``) in the
+        tick's transaction when it is in the lease database: a new leader then knows a
+        one-off entry ran (django-celery-beat itself saves it every few minutes)."""
+        model = getattr(entry, "model", None)
+        if model is not None and router.db_for_write(type(model)) == self.alias:
+            entry.save()  # type: ignore[attr-defined]
 
     def all_as_schedule(self) -> dict[str, Any]:
         """The ``PeriodicTask`` rows as entries, each continuing after its last sent tick

@@ -55,6 +55,8 @@ class FencedSchedulerMixin:
         # the entry each due entry was advanced to (Celery's reserve), until it is sent
         self._reserved: dict[str, ScheduleEntry] = {}
         self._term = 0
+        #: inside a tick's transaction (Celery's ``apply_async`` must not sync there)
+        self._sending = False
         super().__init__(app, *args, **kwargs)  # type: ignore[call-arg]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -131,6 +133,7 @@ class FencedSchedulerMixin:
         skip = isinstance(expires, int | float) and late is not None and late > expires
 
         def send(task_id: str) -> Any:
+            self._recorded_in_tick(reserved or entry)
             if skip:
                 logger.info(
                     "beat skips %s: due %.1fs ago, past its expires (%ss)",
@@ -149,7 +152,13 @@ class FencedSchedulerMixin:
             return self.apply_async(stamped, producer=producer, advance=False)  # type: ignore[attr-defined]
 
         try:
-            self._known[name], _ = ticks.send_tick(lease, name, known, tick, send)
+            self._sending = True
+            try:
+                self._known[name], _ = ticks.send_tick(lease, name, known, tick, send)
+            finally:
+                self._sending = False
+            if self.should_sync():
+                self._do_sync()  # type: ignore[attr-defined]
         except StaleToken:
             self.leadership.step_down("a tick's write was refused: another process leads")
         except ticks.Moved as moved:
@@ -165,6 +174,14 @@ class FencedSchedulerMixin:
             connections[self.alias].close_if_unusable_or_obsolete()
         except Exception as exc:
             logger.error("Message Error: %s", exc, exc_info=True)
+
+    def _recorded_in_tick(self, entry: ScheduleEntry) -> None:
+        """Inside the tick's transaction: the scheduler's own record of ``entry``'s run."""
+
+    def should_sync(self) -> bool:
+        """Celery's, but never inside a tick's transaction: Celery's ``apply_async`` syncs
+        there, and django-celery-beat's ``sync`` closes the connection holding it."""
+        return not self._sending and bool(super().should_sync())  # type: ignore[misc]
 
     def close(self) -> None:
         try:

@@ -28,6 +28,12 @@ KEY = "celery-beat:seams"
 
 
 @pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
+
+@pytest.fixture
 def beats(broker: Broker) -> Iterator[list[FencedScheduler]]:
     """Schedulers made by ``make(schedule)``; their leases released afterwards."""
     made: list[FencedScheduler] = []
@@ -204,3 +210,23 @@ def test_beat__admin_lists_entries_read_only(admin_client: Any) -> None:
     assert page.status_code == 200
     assert b"nightly" in page.content
     assert admin_client.get("/admin/celery_fenced/beatentry/add/").status_code == 403
+
+
+@pytest.mark.parametrize(("one", "other"), [("Report", "report"), ("pad", "pad ")])
+def test_beat__entry_names_compare_byte_for_byte(
+    broker: Broker, beats: list[Any], one: str, other: str
+) -> None:
+    """Two entries whose names differ only in case or trailing spaces are two rows, each
+    with its own ticks (MariaDB's default collation made them one)."""
+    every = dt.timedelta(seconds=0.2)
+    broker.app.conf.beat_schedule = {
+        one: {"task": "seams.sink", "schedule": every},
+        other: {"task": "seams.sink", "schedule": every},
+    }
+    scheduler = FencedScheduler(broker.app, lazy=False)
+    beats.append(scheduler)
+    tick_until_sent(scheduler, broker, 6)
+    rows = {row.name: row.sends for row in BeatEntry.objects.filter(beat_key=KEY)}
+    assert set(rows) == {one, other}
+    assert min(rows.values()) >= 2
+    assert sum(rows.values()) == len(sent_ticks(broker))

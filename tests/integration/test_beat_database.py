@@ -24,6 +24,12 @@ KEY = "celery-beat:seams"
 
 
 @pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
+
+
+@pytest.fixture
 def beats(broker: Broker) -> Iterator[list[Any]]:
     made: list[Any] = []
     broker.app.conf.beat_schedule = {}
@@ -99,3 +105,38 @@ def test_fenced_database_scheduler__new_leader_continues(broker: Broker, beats: 
     ticks = sent(broker, "p")
     assert len(set(ticks)) == len(ticks)
     assert BeatEntry.objects.get(beat_key=KEY, name="p").sends == len(ticks)
+
+
+def test_fenced_database_scheduler__first_tick_recorded(
+    broker: Broker, beats: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """django-celery-beat's ``sync`` (which closes a connection left outside autocommit)
+    runs outside the tick's transaction: the first tick is recorded at once."""
+    periodic("p")
+    leader = make(broker, beats)
+    run([leader], lambda: len(sent(broker, "p")) >= 2)
+    assert "was sent by another leader" not in caplog.text
+    assert BeatEntry.objects.get(beat_key=KEY, name="p").sends == len(sent(broker, "p"))
+    assert PeriodicTask.objects.get(name="p").total_run_count >= 1
+
+
+def test_fenced_database_scheduler__one_off_sent_once_across_leaders(
+    broker: Broker, beats: list[Any]
+) -> None:
+    from django.utils import timezone
+    from django_celery_beat.models import ClockedSchedule
+
+    periodic("p")
+    first = make(broker, beats)
+    run([first], lambda: len(sent(broker, "p")) >= 1)  # django-celery-beat saved here
+    clock = ClockedSchedule.objects.create(clocked_time=timezone.now())
+    PeriodicTask.objects.create(name="once", task="seams.sink", clocked=clock, one_off=True)
+    run([first], lambda: len(sent(broker, "once")) >= 1)
+    first.leadership.release()  # it stops before django-celery-beat's next save (3 min)
+    second = make(broker, beats)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        second.tick()
+        time.sleep(0.05)
+    assert second.leadership.leading()
+    assert len(sent(broker, "once")) == 1
