@@ -278,12 +278,12 @@ def test_docs_claims__the_benchmarks_are_counted_and_named_right() -> None:
 # -- statements that were wrong once ---------------------------------------------------------
 def test_docs_claims__pruning_events_never_lets_a_job_run_again() -> None:
     """The completed-duplicate check reads the completion markers, never the events."""
-    from celery_fenced.store.dialects import orm, permits, sql
+    from celery_fenced.store.dialects import permits, row_locking, sql
     from celery_fenced.store.dialects.statements import postgresql, sqlite
 
     readers = [
-        orm.ORMDialect.completed,
         permits.PermitGranter._completed,
+        row_locking.RowLocking.completed,
         sql.SQLDialect.completed,
     ]
     for reader in readers:

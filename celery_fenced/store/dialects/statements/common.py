@@ -67,3 +67,6 @@ RESULT_UPDATE: LiteralString = """periodic_task_name = EXCLUDED.periodic_task_na
     content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding,
     result = EXCLUDED.result, date_done = EXCLUDED.date_done,
     traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"""
+
+#: the database's clock in standard SQL (the portable dialect's, :mod:`..orm`)
+SELECT_CURRENT_TIMESTAMP: LiteralString = "SELECT CURRENT_TIMESTAMP"
