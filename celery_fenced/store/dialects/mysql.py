@@ -1,5 +1,4 @@
-"""MariaDB and MySQL 8: grants in transactions with row locks, the family's own SQL
-where one statement does the work of several."""
+"""MariaDB and MySQL 8: row-locking grants, and the family's SQL where one statement does more."""
 
 from __future__ import annotations
 

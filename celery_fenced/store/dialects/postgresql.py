@@ -124,7 +124,7 @@ class PostgreSQL(SQLDialect):
         return _grant(rows[0]) if rows else None
 
     def record_unique_pending(self, pending: Pending) -> str:
-        """:meth:`PortableOperations.record_unique_pending` without a lock on the copy
+        """:meth:`.PendingRows.record_unique` without a lock on the copy
         that stands: the insert does nothing on a conflict (``ON CONFLICT DO NOTHING``
         locks no row, so a refused call in a transaction of its own never holds up the
         standing copy's grant); refused, a read of that copy tells whether it still

@@ -221,6 +221,7 @@ class RowLocking:
             )
 
     def release(self, ending: Ending) -> bool:
+        """See :meth:`.Dialect.release`: the grant locked, then ended (:meth:`_end`)."""
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
@@ -269,6 +270,7 @@ class RowLocking:
     def force_release(
         self, key: str, by: str, task_id: str | None = None, token: int | None = None
     ) -> tuple[int, str] | None:
+        """See :meth:`.Dialect.force_release`: the unreleased grant locked, then ended."""
         with transaction.atomic(using=self.alias):
             now = self.now()
             manager = Lease._default_manager.using(self.alias)
@@ -288,6 +290,7 @@ class RowLocking:
             return row.token, row.owner
 
     def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        """See :meth:`.Dialect.prove_current`: the key's row locked (:meth:`_lock_if_current`)."""
         lease_id, current, _ = self._lock_if_current(key, token)
         return lease_id is not None, current
 
@@ -307,6 +310,8 @@ class RowLocking:
         return (lease_id if is_current else None), current, now
 
     def release_current(self, ending: Ending) -> tuple[bool, int | None]:
+        """See :meth:`.Dialect.release_current`: the row locked, the grant ended, the result
+        lock taken."""
         lease_id, current, now = self._lock_if_current(ending.key, ending.token, expired_ok=True)
         if lease_id is None or now is None:
             return False, current
@@ -315,6 +320,7 @@ class RowLocking:
         return True, current
 
     def is_current(self, key: str, token: int, owner: str) -> bool:
+        """See :meth:`.Dialect.is_current`."""
         now = self.now()
         return (
             Lease._default_manager.using(self.alias)
@@ -325,6 +331,7 @@ class RowLocking:
         )
 
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        """See :meth:`.Dialect.completed`: the key's marker, or a ``Completion`` row."""
         since = self.now() - dt.timedelta(seconds=window)
         if (
             Lease._default_manager.using(self.alias)
@@ -346,6 +353,8 @@ class RowLocking:
     def claim_expired(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
     ) -> list[Claim]:
+        """See :meth:`.Dialect.claim_expired`: the eligible rows locked (skipping locked ones
+        where the database can), each claimed by a conditional ``UPDATE``."""
         claims: list[Claim] = []
         with transaction.atomic(using=self.alias):
             now = self.now()

@@ -1,5 +1,7 @@
-"""What the SQL dialects share: the operations whose statements each dialect's statements
-module (:mod:`.statements`) gives under the same names."""
+"""The operations PostgreSQL and SQLite share, each run from their own statements module.
+
+Each dialect's statements module (:mod:`.statements`) gives them under the same names.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The names the dialects' statements use: tables, result columns, SQL literals."""
+"""The models' table names the statements write, and whether the result row is the known one."""
 
 from __future__ import annotations
 
@@ -13,23 +13,6 @@ COMPLETION = Completion._meta.db_table
 PENDING = PendingJob._meta.db_table
 RESULT = TaskResult._meta.db_table
 
-#: the same columns as SQL text (the statements are built from fixed text only), and what
-#: a write over an existing row changes: what ``DatabaseBackend`` writes, not the row's
-#: creation or start time
-SQL_RESULT_COLUMNS = (
-    "task_id, periodic_task_name, task_name, task_args, task_kwargs, status, worker, "
-    "content_type, content_encoding, result, date_created, date_started, date_done, "
-    "traceback, meta"
-)
-SQL_RESULT_UPDATE = (
-    "periodic_task_name = EXCLUDED.periodic_task_name, task_name = EXCLUDED.task_name, "
-    "task_args = EXCLUDED.task_args, task_kwargs = EXCLUDED.task_kwargs, "
-    "status = EXCLUDED.status, worker = EXCLUDED.worker, "
-    "content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding, "
-    "result = EXCLUDED.result, date_done = EXCLUDED.date_done, "
-    "traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"
-)
-
 
 def _result_row_is_known() -> bool:
     """Whether the installed ``TaskResult`` has exactly :data:`RESULT_COLUMNS`, by name."""
@@ -42,16 +25,3 @@ def _result_row_is_known() -> bool:
 
 #: another version of the model (a column added or renamed) is written the general way
 RESULT_ROW_KNOWN = _result_row_is_known()
-
-
-#: the event kinds and reclaim states the SQL dialects write, as SQL literals: written out
-#: (the SQL checker of tests/acceptance/test_security.py accepts only fixed text), and checked
-#: against the model's enums by tests/unit/test_kinds.py
-SQL_ACQUIRED = "'acquired'"
-SQL_RECLAIMED = "'reclaimed'"
-SQL_RELEASED = "'released'"
-SQL_BUSY = "'busy'"
-SQL_FORCE_RELEASED = "'force_released'"
-SQL_ABANDONED = "'abandoned'"
-SQL_STATE_RESENT = "'resent'"
-SQL_STATE_ABANDONED = "'abandoned'"
