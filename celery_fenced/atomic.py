@@ -180,10 +180,10 @@ def run_body(
         body.rollback()
         lease.mark_lost(f"atomic body refused: current token is {current}", warn=False)
         raise store.reject_stale(
+            lease.alias,
             lease.key,
             lease.token,
             current if current != lease.token else None,
-            using=lease.alias,
             task_id=lease.task_id,
             owner=lease.owner,
             what="atomic body",

@@ -258,10 +258,10 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         newer = current if current != lease.token else None
         lease.mark_lost(f"{status} result refused: current token is {current}", warn=False)
         stale = store.reject_stale(
+            lease.alias,
             lease.key,
             lease.token,
             newer,
-            using=lease.alias,
             task_id=task_id,
             owner=lease.owner,
             what=f"{status} result",

@@ -124,10 +124,10 @@ def fenced_update(
     except _Newer as newer:
         key = lease.key if lease is not None and lease.token == token else model._meta.label
         raise store.reject_stale(
+            lease.alias if lease else alias,
             key,
             token,
             newer.token,
-            using=lease.alias if lease else alias,
             task_id=lease.task_id if lease else "",
             owner=lease.owner if lease else "",
             what=f"update of {model._meta.label}",

@@ -50,9 +50,7 @@ from celery_fenced.store.grants import (
     grant_live_since,
     grant_of,
     granted_again,
-    process_holds,
     record_duplicate,
-    settle_elsewhere,
 )
 from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many, unrenewed
 from celery_fenced.store.outbox import (
@@ -82,6 +80,7 @@ from celery_fenced.store.reclaiming import (
     record_resent,
     unclaim,
 )
+from celery_fenced.store.settling import process_holds, settle_elsewhere
 from celery_fenced.store.types import REPLACED, RESULT_COLUMNS, Claim, Delivery, Pending
 from celery_fenced.store.validation import (
     database_alias,

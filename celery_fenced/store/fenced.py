@@ -26,18 +26,19 @@ logger = logging.getLogger("celery_fenced.store")
 
 
 def reject_stale(
+    alias: str,
     key: str,
     token: int,
     current: int | None,
     *,
-    using: str,
     task_id: str = "",
     owner: str = "",
     what: str = "write",
     task_name: str = "",
     logged: bool = False,
 ) -> StaleToken:
-    """Record, signal and log a refused write; return the :class:`StaleToken` to raise.
+    """Record (on database ``alias``), signal and log a refused write; return the
+    :class:`StaleToken` to raise.
 
     Logged as a warning naming key, stale token and current token; at INFO when
     ``logged``: the refused write carries a rejection already logged (the FAILURE of an
@@ -52,8 +53,8 @@ def reject_stale(
         extra={"lease_key": key, "fencing_token": token, "current_token": current},
     )
     try:
-        with transaction.atomic(using=using):
-            dialects.for_alias(using).record_event(
+        with transaction.atomic(using=alias):
+            dialects.for_alias(alias).record_event(
                 key,
                 LeaseEvent.Kind.STALE_WRITE_REJECTED,
                 token,
@@ -114,10 +115,10 @@ def fenced_transaction(
         if lease is not None:
             lease.mark_lost(f"write refused: current token is {current}", warn=False)
         raise reject_stale(
+            alias,
             key,
             token,
             current if current != token else None,
-            using=alias,
             task_id=lease.task_id if lease else "",
             owner=lease.owner if lease else "",
             what=what,

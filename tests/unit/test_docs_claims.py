@@ -278,12 +278,12 @@ def test_docs_claims__the_benchmarks_are_counted_and_named_right() -> None:
 # -- statements that were wrong once ---------------------------------------------------------
 def test_docs_claims__pruning_events_never_lets_a_job_run_again() -> None:
     """The completed-duplicate check reads the completion markers, never the events."""
-    from celery_fenced.store.dialects import orm, permits, sql
+    from celery_fenced.store.dialects import permits, row_locking, sql
     from celery_fenced.store.dialects.statements import postgresql, sqlite
 
     readers = [
-        orm.ORMDialect.completed,
         permits.PermitGranter._completed,
+        row_locking.RowLocking.completed,
         sql.SQLDialect.completed,
     ]
     for reader in readers:
@@ -302,10 +302,10 @@ def test_docs_claims__pruning_events_never_lets_a_job_run_again() -> None:
 def test_docs_claims__a_hard_time_limit_is_not_reclaimed() -> None:
     """The worker's main process records the job's FAILURE and ends its grant (dropping
     its job): there is nothing left to reclaim."""
-    from celery_fenced.store import grants
+    from celery_fenced.store import settling
 
-    assert "_release_ending" in inspect.getsource(grants.settle_elsewhere)
-    assert "force_release" in inspect.getsource(grants._release_ending)
+    assert "_release_ending" in inspect.getsource(settling.settle_elsewhere)
+    assert "force_release" in inspect.getsource(settling._release_ending)
     for page in PAGES:
         for said in sentences(page):
             if "time limit" in said and re.search(r"\b(is|are|gets?) reclaimed\b", said):

@@ -58,22 +58,3 @@ def test_timeline__draws_a_mark_for_each_kind_that_has_one() -> None:
     _, marks = timeline.grants_and_marks(lease, events, now)
     marked = {str(mark.kind) for mark in marks}
     assert marked == {k.value for k, s in kinds.KINDS.items() if "mark" in s.timeline}
-
-
-def test_sql_literals__are_the_enums_values() -> None:
-    """The dialects' SQL writes kinds and states as literals: each is the enum's value."""
-    from celery_fenced.models import ReclaimState
-    from celery_fenced.store.dialects import tables
-
-    Kind = LeaseEvent.Kind
-    literals = {
-        tables.SQL_ACQUIRED: Kind.ACQUIRED,
-        tables.SQL_RECLAIMED: Kind.RECLAIMED,
-        tables.SQL_RELEASED: Kind.RELEASED,
-        tables.SQL_BUSY: Kind.BUSY,
-        tables.SQL_FORCE_RELEASED: Kind.FORCE_RELEASED,
-        tables.SQL_STATE_RESENT: ReclaimState.RESENT,
-    }
-    assert all(literal == f"'{value.value}'" for literal, value in literals.items())
-    assert f"'{Kind.ABANDONED.value}'" == tables.SQL_ABANDONED
-    assert f"'{ReclaimState.ABANDONED.value}'" == tables.SQL_STATE_ABANDONED

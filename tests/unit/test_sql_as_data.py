@@ -78,7 +78,7 @@ def not_literal(source: str) -> list[str]:
 
 def statement_sources(path: Path) -> list[str]:
     """The SQL argument of every executing call in a dialect module that is not a
-    statement of a statements module (``sql.NAME``, ``self.SQL.NAME``, a variant
+    statement of a statements module (``sql.NAME``, ``self.statements.NAME``, a variant
     ``sql.NAME[key]``, or a choice of them), nor an executing method's own statement
     parameter passed on (its callers are checked)."""
     found = []
@@ -117,7 +117,7 @@ def named_statement(node: ast.expr) -> bool:
         # the exception: a statement's one row repeated (see ``statements/mysql.py``)
         return len(node.args) == 4 and all(named_statement(arg) for arg in node.args[:3])
     text = ast.unparse(node)
-    return re.fullmatch(r"(sql|self\.SQL)\.[A-Z][A-Z0-9_]*", text) is not None
+    return re.fullmatch(r"(sql|self\.statements)\.[A-Z][A-Z0-9_]*", text) is not None
 
 
 @pytest.mark.parametrize("path", STATEMENTS, ids=[p.name for p in STATEMENTS])
@@ -191,7 +191,7 @@ def test_checker__catches_a_runtime_value_in_a_statements_module(source: str) ->
 @pytest.mark.parametrize("path", CONVERTED, ids=[p.name for p in CONVERTED])
 def test_checker__catches_sql_spliced_into_a_converted_dialect(path: Path, tmp_path: Path) -> None:
     source = path.read_text()
-    named = re.compile(r"(\.(?:_fetch|execute)\()(?:sql|self\.SQL)\.[A-Z_]+")
+    named = re.compile(r"(\.(?:_fetch|execute)\()(?:sql|self\.statements)\.[A-Z_]+")
     splice = "f\"SELECT token FROM t WHERE key = '{key}'\""
     spliced = named.sub(lambda m: m.group(1) + splice, source, count=1)
     assert spliced != source

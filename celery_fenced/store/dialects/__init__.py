@@ -3,11 +3,12 @@
 Each implements :class:`~.interface.Dialect`. PostgreSQL does each operation, event
 included, in one statement (a data-modifying CTE); SQLite does the state change in one
 ``INSERT … ON CONFLICT … DO UPDATE … WHERE … RETURNING`` and writes the event in the
-same transaction; MariaDB and MySQL take the portable dialect with their own SQL where
-one statement does the work of several; any other database gets the portable dialect:
-transactions with row locks through the ORM. The bookkeeping every database does the
-same way (pending rows, events, the reclaimer's claims, permits) is in helpers the
-classes compose (:mod:`.pending`, :mod:`.bookkeeping`, :mod:`.permits`).
+same transaction; any other database gets the portable dialect: transactions with row
+locks through the ORM; MariaDB and MySQL grant that way too (:mod:`.row_locking`, with
+their own row locks and clock) and have their own SQL where one statement does the work
+of several. The bookkeeping every database does the same way (pending rows, events, the
+reclaimer's claims, permits) is in helpers the classes compose (:mod:`.pending`,
+:mod:`.bookkeeping`, :mod:`.permits`).
 :data:`VENDORS` maps a Django database vendor to its dialect.
 """
 

@@ -18,19 +18,27 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects import permits
 from celery_fenced.store.dialects.bookkeeping import Claims, Events, GrantReads
-from celery_fenced.store.dialects.pending import Outcome, PendingRows
-from celery_fenced.store.types import Claim, Displaced, GrantRequest, Pending
+from celery_fenced.store.dialects.pending import PendingRows
+from celery_fenced.store.types import Claim, Pending
 
 
 class DialectBase(abc.ABC):
     """The database ``alias`` (``connection``: one to use instead of Django's) and the
-    helpers every dialect delegates its bookkeeping to."""
+    helpers every dialect delegates its bookkeeping to.
 
-    #: the grant of a key (not a permit) inside :meth:`acquire`'s transaction, where the
-    #: dialect grants that way (SQLite, the ORM); PostgreSQL grants in its own statements
-    _grant_in_transaction: Callable[[GrantRequest], Outcome]
+    ``locked_rows`` and ``next_token``: the dialect's own way of locking a key's permit
+    rows and of numbering a permit's grant, where not the portable one (see
+    :class:`.permits.PermitGranter`).
+    """
 
-    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
+    def __init__(
+        self,
+        alias: str,
+        connection: BaseDatabaseWrapper | None = None,
+        *,
+        locked_rows: Callable[[list[str]], list[Lease]] | None = None,
+        next_token: Callable[[Lease, Iterable[Lease]], int] | None = None,
+    ) -> None:
         self.alias = alias
         self._connection = connection
         self.pending = PendingRows(alias)
@@ -42,8 +50,8 @@ class DialectBase(abc.ABC):
             self.now,
             self.events,
             self.pending,
-            locked_rows=self._locked_rows,
-            next_token=self._permit_token,
+            locked_rows=locked_rows,
+            next_token=next_token,
         )
 
     @property
@@ -54,24 +62,6 @@ class DialectBase(abc.ABC):
     @abc.abstractmethod
     def now(self) -> dt.datetime:
         """The database's clock."""
-
-    def acquire(self, request: GrantRequest) -> Outcome:
-        """The grant (a permit's, or :attr:`_grant_in_transaction`'s) and the end of the
-        job's pending row, in one transaction."""
-        grant = self.permits.grant if request.limit is not None else self._grant_in_transaction
-        return self.pending.ending_with_grant(request, grant)
-
-    def _locked_rows(self, keys: list[str]) -> list[Lease]:
-        """The permit rows of ``keys``, locked (MySQL locks them through the key's index)."""
-        return permits.lock_permit_rows(self.alias, keys)
-
-    def _permit_token(self, head: Any, rows: Iterable[Lease]) -> int:
-        """The next token of a key's permits (PostgreSQL takes it from a sequence)."""
-        return permits.next_permit_token(self.alias, head, rows)
-
-    def _requeue_displaced(self, previous: Displaced, by_task_id: str) -> None:
-        """See :meth:`.PendingRows.requeue_displaced`."""
-        self.pending.requeue_displaced(previous, by_task_id)
 
     def record_pending(self, pending: Pending) -> None:
         """See :meth:`.PendingRows.record`."""

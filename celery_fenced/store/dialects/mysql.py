@@ -1,5 +1,4 @@
-"""MariaDB and MySQL 8: the portable dialect, with the family's own SQL where one
-statement does the work of several."""
+"""MariaDB and MySQL 8: row-locking grants, and the family's SQL where one statement does more."""
 
 from __future__ import annotations
 
@@ -9,27 +8,59 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced.models import Lease
-from celery_fenced.store.dialects.orm import ORMDialect
+from celery_fenced.store.dialects.base import DialectBase
+from celery_fenced.store.dialects.row_locking import RowLocking
 from celery_fenced.store.dialects.rows import aware
 from celery_fenced.store.dialects.statements import mysql as sql
-from celery_fenced.store.types import Renewal
+from celery_fenced.store.types import (
+    Claim,
+    Completed,
+    Delivery,
+    Ending,
+    Grant,
+    GrantRequest,
+    Holder,
+    Renewal,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
 
-class MySQL(ORMDialect):
+class MySQL(DialectBase):
     """MariaDB (10.6 or newer) and MySQL 8, Django's ``mysql`` backend.
 
     A grant reads the key's row under its lock, then updates it, in one transaction: the
     family has no ``UPDATE … RETURNING`` to hand back the token it wrote. The clock is the
     database's, to the microsecond (``CURRENT_TIMESTAMP`` alone is to the second); system
-    check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes.
+    check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes. The
+    grants, releases and proofs are :class:`.RowLocking`'s, with this family's row locks
+    (:meth:`_locked_row`, :meth:`_locked_rows`) and clock.
     """
 
-    CLOCK = "CURRENT_TIMESTAMP(6)"  # to the microsecond
+    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
+        super().__init__(alias, connection, locked_rows=self._locked_rows)
+        self.locking = RowLocking(
+            alias,
+            connection,
+            self.now,
+            self.events,
+            self.pending,
+            self.permits,
+            locked_row=self._locked_row,
+            lock_for_result=self.lock_for_result,
+        )
+
+    def now(self) -> dt.datetime:
+        """The database's clock, to the microsecond (``CURRENT_TIMESTAMP`` alone is to the
+        second)."""
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.SELECT_NOW)
+            row = cursor.fetchone()
+        return aware(row[0])
 
     def _locked_row(self, key: str) -> tuple[Any, ...] | None:
         """The row's lock and the database's time in one ``SELECT … FOR UPDATE``."""
@@ -127,6 +158,47 @@ class MySQL(ORMDialect):
                     "detail": json.dumps(detail),
                 },
             )
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """See :meth:`.RowLocking.acquire`."""
+        return self.locking.acquire(request)
+
+    def release(self, ending: Ending) -> bool:
+        """See :meth:`.RowLocking.release`."""
+        return self.locking.release(ending)
+
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
+    ) -> tuple[int, str] | None:
+        """See :meth:`.RowLocking.force_release`."""
+        return self.locking.force_release(key, by, task_id, token)
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        """See :meth:`.RowLocking.prove_current`."""
+        return self.locking.prove_current(key, token)
+
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
+        """See :meth:`.RowLocking.release_current`."""
+        return self.locking.release_current(ending)
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        """See :meth:`.RowLocking.is_current`."""
+        return self.locking.is_current(key, token, owner)
+
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        """See :meth:`.RowLocking.completed`."""
+        return self.locking.completed(key, delivery, window)
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """See :meth:`.RowLocking.claim_expired`."""
+        return self.locking.claim_expired(
+            grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+        )
+
+    def estimated_rows(self, table: str) -> int | None:
+        return None
 
 
 def repeated(

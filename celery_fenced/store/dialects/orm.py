@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db import transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
-from celery_fenced.models import Completion, Lease, LeaseEvent, ReclaimState
+from celery_fenced.models import Lease
 from celery_fenced.store.dialects.base import DialectBase
-from celery_fenced.store.dialects.bookkeeping import claimable
-from celery_fenced.store.dialects.rows import abandoned_detail, aware, completes, released_detail
+from celery_fenced.store.dialects.row_locking import RowLocking
+from celery_fenced.store.dialects.rows import aware
+from celery_fenced.store.dialects.statements.common import SELECT_CURRENT_TIMESTAMP
 from celery_fenced.store.dialects.tables import task_result_model
 from celery_fenced.store.types import (
     Claim,
     Completed,
     Delivery,
-    Displaced,
     Ending,
     Grant,
     GrantRequest,
@@ -27,170 +26,53 @@ from celery_fenced.store.types import (
     Renewal,
 )
 
-Kind = LeaseEvent.Kind
-
 
 class ORMDialect(DialectBase):
-    """The portable dialect: transactions with row locks through the ORM, any database."""
+    """The portable dialect: transactions with row locks through the ORM, any database.
 
-    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
-        """A key's first grant finds its row there: made beforehand, in a statement of
-        its own (see :meth:`_placeholder`), unless a transaction of the caller's is open.
-        With permits too: that row is their head, which the grant's transaction locks
-        first (first grants inserting it at once deadlocked on MariaDB, error 1213)."""
-        if not self.connection.in_atomic_block:
-            self._placeholder(request.key, request.task_name)
-        grant = self.permits.grant if request.limit is not None else self._grant
-        return self.pending.ending_with_grant(request, grant)
+    Its grants, releases and proofs are :class:`.RowLocking`'s, with the ORM's row lock
+    (:meth:`_locked_row`) and the standard clock (``CURRENT_TIMESTAMP``).
+    """
 
-    def _placeholder(self, key: str, task_name: str = "") -> None:
-        """The key's row, if missing: released, never granted (token 0), so the grant's
-        transaction always locks an existing row. Two first grants of a key would
-        otherwise both insert it: on InnoDB the loser's duplicate-key error leaves it a
-        shared lock on the row, and two such losers deadlock upgrading it (MariaDB and
-        MySQL's 1213). In autocommit, a duplicate's lock ends with its statement."""
-        rows = Lease._default_manager.using(self.alias)
-        if rows.filter(key=key).exists():
-            return
-        now = self.now()
-        row = Lease(
-            key=key,
-            token=0,
-            task_name=task_name[:255],  # a permits' head keeps it, as when made by the grant
-            acquired_at=now,
-            renewed_at=now,
-            expires_at=now,
-            released_at=now,
+    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
+        super().__init__(alias, connection)
+        self.locking = RowLocking(
+            alias,
+            connection,
+            self.now,
+            self.events,
+            self.pending,
+            self.permits,
+            locked_row=self._locked_row,
+            lock_for_result=self.lock_for_result,
         )
-        if self.connection.features.supports_ignore_conflicts:
-            # one statement whichever first grant comes first (MySQL's INSERT IGNORE)
-            rows.bulk_create([row], ignore_conflicts=True)
-            return
-        with contextlib.suppress(IntegrityError):  # made meanwhile by another first grant
-            row.save(using=self.alias, force_insert=True)
-
-    def _created(self, request: GrantRequest, now: dt.datetime, expires: dt.datetime) -> Any:
-        """The key's first row, granted to ``request``; None when another acquirer's insert
-        came first (in a savepoint: the unique key's error leaves the transaction usable,
-        and the caller locks the row that now exists)."""
-        try:
-            with transaction.atomic(using=self.alias):
-                return Lease._default_manager.using(self.alias).create(
-                    key=request.key,
-                    token=1,
-                    owner=request.owner,
-                    task_id=request.task_id,
-                    task_name=request.task_name,
-                    acquired_at=now,
-                    renewed_at=now,
-                    expires_at=expires,
-                    job=request.job,
-                )
-        except IntegrityError:
-            return None
-
-    #: SQL for the database's clock
-    CLOCK = "CURRENT_TIMESTAMP"
 
     def now(self) -> dt.datetime:
         with self.connection.cursor() as cursor:
-            cursor.execute(f"SELECT {self.CLOCK}")
+            cursor.execute(SELECT_CURRENT_TIMESTAMP)
             row = cursor.fetchone()
         return aware(row[0])
 
-    def _grant(self, request: GrantRequest) -> Grant | Holder | Completed:
-        """The grant of a key (not a permit), in :meth:`acquire`'s transaction."""
-        with transaction.atomic(using=self.alias, savepoint=False):  # acquire's
-            manager = Lease._default_manager.using(self.alias)
-            row = manager.select_for_update().filter(key=request.key).first()
-            if (
-                request.delivery is not None
-                and request.delivery.task_id
-                and self.completed(request.key, request.delivery, request.window)
-            ):
-                return Completed(request.task_id, request.delivery.retries)
-            now = self.now()
-            expires = now + dt.timedelta(seconds=request.ttl)
-            created = None
-            if row is None:
-                created = self._created(request, now, expires)
-                # None: another acquirer created the key's row first; it is locked now
-                row = created or manager.select_for_update().filter(key=request.key).first()
-                if row is None:  # pragma: no cover - created, then deleted meanwhile
-                    raise IntegrityError(f"the lease row of {request.key!r} vanished")
-            if created is not None:
-                reclaimed_from, previous_start = "", None
-            elif row.permits:  # the head of the key's permits: never granted itself
-                return Holder(row.token, "", row.expires_at, 0.0)
-            elif row.released_at is None and row.expires_at > now:
-                self.events.add(
-                    row.pk,
-                    Kind.BUSY,
-                    row.token,
-                    request.task_id,
-                    request.owner,
-                    now,
-                    {"holder": row.owner},
-                )
-                return Holder(
-                    row.token, row.owner, row.expires_at, (row.expires_at - now).total_seconds()
-                )
-            else:
-                reclaimed_from = row.owner if row.released_at is None else ""
-                previous_start, previous_end = row.acquired_at, row.expires_at
-                displaced = Displaced(
-                    row.key,
-                    row.task_id,
-                    row.task_name,
-                    row.job,
-                    row.released_at is not None,
-                    row.reclaim_state,
-                    row.reclaim_attempts,
-                )
-                # a re-delivery of the same unfinished task keeps its reclaim count
-                same_job = (
-                    row.released_at is None
-                    and request.task_id != ""
-                    and row.task_id == request.task_id
-                )
-                manager.filter(pk=row.pk).update(
-                    token=F("token") + 1,
-                    owner=request.owner,
-                    task_id=request.task_id,
-                    task_name=request.task_name,
-                    acquired_at=now,
-                    renewed_at=now,
-                    expires_at=expires,
-                    released_at=None,
-                    release_state="",
-                    reclaimed_from=reclaimed_from,
-                    job=request.job,
-                    reclaim_attempts=row.reclaim_attempts if same_job else 0,
-                    reclaim_state="",
-                    reclaim_claimed_at=row.reclaim_claimed_at if same_job else None,
-                )
-                row.refresh_from_db(fields=["token"])
-            if reclaimed_from:
-                self.pending.requeue_displaced(displaced, request.task_id)
-                detail = {
-                    "previous_owner": reclaimed_from,
-                    "previous_token": row.token - 1,
-                    "previous_acquired_at": previous_start and previous_start.isoformat(),
-                }
-                self.events.add(
-                    row.pk, Kind.RECLAIMED, row.token, request.task_id, request.owner, now, detail
-                )
-            elif request.routine_events:
-                self.events.add(
-                    row.pk, Kind.ACQUIRED, row.token, request.task_id, request.owner, now, {}
-                )
-            return Grant(
-                row.pk,
-                row.token,
-                expires,
-                reclaimed_from,
-                previous_expires_at=previous_end if reclaimed_from else None,
-            )
+    def _locked_row(self, key: str) -> tuple[Any, ...] | None:
+        """Lock ``key``'s row: its id, token, release and expiry times, and the database's
+        time (read after the lock); None when the key has no row."""
+        row = (
+            Lease._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(key=key)
+            .values_list("pk", "token", "released_at", "expires_at")
+            .first()
+        )
+        return None if row is None else (*row, self.now())
+
+    def lock_for_result(self, task_id: str) -> None:
+        list(
+            task_result_model()
+            ._default_manager.using(self.alias)
+            .select_for_update()
+            .filter(task_id=task_id)
+            .values_list("pk", flat=True)
+        )
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         renewed: dict[tuple[str, int], dt.datetime] = {}
@@ -213,181 +95,6 @@ class ORMDialect(DialectBase):
                     renewed[(lease.key, lease.token)] = expires
         return renewed
 
-    def release(self, ending: Ending) -> bool:
-        with transaction.atomic(using=self.alias):
-            now = self.now()
-            manager = Lease._default_manager.using(self.alias)
-            row = (
-                manager.select_for_update()
-                .filter(
-                    key=ending.key,
-                    token=ending.token,
-                    owner=ending.owner,
-                    released_at__isnull=True,
-                )
-                .first()
-            )
-            if row is None:
-                return False
-            self._end(row.pk, ending, now)
-            return True
-
-    def _end(self, lease_id: int, ending: Ending, now: dt.datetime) -> None:
-        """Release a locked grant; mark its job completed if it is (moving a displaced
-        marker to the ``Completion`` table); the ``released`` event with routine events."""
-        state, delivery = ending.state, ending.delivery
-        values: dict[str, Any] = {"released_at": now, "job": None, "release_state": state[:16]}
-        manager = Lease._default_manager.using(self.alias)
-        if delivery is not None and completes(state, delivery):
-            old = manager.filter(pk=lease_id).values_list(
-                "completed_digest", "completed_retries", "completed_at"
-            )[0]
-            digest, retries, completed_at = old
-            if digest not in ("", delivery.digest) and retries is not None and completed_at:
-                Completion._default_manager.using(self.alias).create(
-                    digest=digest, retries=retries, completed_at=completed_at
-                )
-            values.update(
-                completed_digest=delivery.digest,
-                completed_retries=delivery.retries,
-                completed_at=now,
-            )
-        manager.filter(pk=lease_id).update(**values)
-        if ending.routine_events:
-            detail = released_detail(state, delivery)
-            self.events.add(
-                lease_id, Kind.RELEASED, ending.token, ending.task_id, ending.owner, now, detail
-            )
-
-    def force_release(
-        self, key: str, by: str, task_id: str | None = None, token: int | None = None
-    ) -> tuple[int, str] | None:
-        with transaction.atomic(using=self.alias):
-            now = self.now()
-            manager = Lease._default_manager.using(self.alias)
-            rows = manager.select_for_update().filter(key=key, released_at__isnull=True)
-            if task_id is not None:
-                rows = rows.filter(task_id=task_id)
-            if token is not None:
-                rows = rows.filter(token=token)
-            row = rows.first()
-            if row is None:
-                return None
-            manager.filter(pk=row.pk).update(released_at=now, job=None)
-            detail = {"by": by, "acquired_at": row.acquired_at.isoformat()}
-            self.events.add(
-                row.pk, Kind.FORCE_RELEASED, row.token, row.task_id, row.owner, now, detail
-            )
-            return row.token, row.owner
-
-    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
-        lease_id, current, _ = self._lock_if_current(key, token)
-        return lease_id is not None, current
-
-    def _locked_row(self, key: str) -> tuple[Any, ...] | None:
-        """Lock ``key``'s row: its id, token, release and expiry times, and the database's
-        time (read after the lock); None when the key has no row."""
-        row = (
-            Lease._default_manager.using(self.alias)
-            .select_for_update()
-            .filter(key=key)
-            .values_list("pk", "token", "released_at", "expires_at")
-            .first()
-        )
-        return None if row is None else (*row, self.now())
-
-    def _lock_if_current(
-        self, key: str, token: int, *, expired_ok: bool = False
-    ) -> tuple[int | None, int | None, dt.datetime | None]:
-        """Lock ``key``'s row; its id if ``token`` is its unreleased, unexpired grant.
-
-        With ``expired_ok`` an expired grant with no successor counts too. Returns
-        ``(lease id or None, the key's current token or None, the database's time)``.
-        """
-        row = self._locked_row(key)
-        if row is None:
-            return None, None, None
-        lease_id, current, released_at, expires_at, now = row
-        is_current = current == token and released_at is None and (expired_ok or expires_at > now)
-        return (lease_id if is_current else None), current, now
-
-    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
-        lease_id, current, now = self._lock_if_current(ending.key, ending.token, expired_ok=True)
-        if lease_id is None or now is None:
-            return False, current
-        self._end(lease_id, ending, now)
-        self.lock_for_result(ending.task_id)
-        return True, current
-
-    def lock_for_result(self, task_id: str) -> None:
-        list(
-            task_result_model()
-            ._default_manager.using(self.alias)
-            .select_for_update()
-            .filter(task_id=task_id)
-            .values_list("pk", flat=True)
-        )
-
-    def is_current(self, key: str, token: int, owner: str) -> bool:
-        now = self.now()
-        return (
-            Lease._default_manager.using(self.alias)
-            .filter(
-                key=key, token=token, owner=owner, released_at__isnull=True, expires_at__gt=now
-            )
-            .exists()
-        )
-
-    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
-        since = self.now() - dt.timedelta(seconds=window)
-        if (
-            Lease._default_manager.using(self.alias)
-            .filter(
-                key=key,
-                completed_digest=delivery.digest,
-                completed_retries__gte=delivery.retries,
-                completed_at__gt=since,
-            )
-            .exists()
-        ):
-            return True
-        return (
-            Completion._default_manager.using(self.alias)
-            .filter(digest=delivery.digest, retries__gte=delivery.retries, completed_at__gt=since)
-            .exists()
-        )
-
-    def claim_expired(
-        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
-    ) -> list[Claim]:
-        claims: list[Claim] = []
-        with transaction.atomic(using=self.alias):
-            now = self.now()
-            manager = Lease._default_manager.using(self.alias)
-            eligible = claimable(now, grace, resend_after)
-            skip = self.connection.features.has_select_for_update_skip_locked
-            rows = list(
-                manager.select_for_update(skip_locked=skip)
-                .filter(eligible)
-                .order_by("expires_at")[:limit]
-            )
-            for row in rows:
-                resend = row.reclaim_attempts < max_attempts
-                attempts = row.reclaim_attempts + 1 if resend else row.reclaim_attempts
-                state = ReclaimState.RESENT if resend else ReclaimState.ABANDONED
-                if not manager.filter(eligible, pk=row.pk).update(
-                    reclaim_attempts=attempts, reclaim_state=state, reclaim_claimed_at=now
-                ):
-                    continue
-                claim = Claim.of_lease(row, attempts, state)
-                if not resend:
-                    detail = abandoned_detail(claim, max_attempts)
-                    self.events.add(
-                        row.pk, Kind.ABANDONED, row.token, row.task_id, row.owner, now, detail
-                    )
-                claims.append(claim)
-        return claims
-
     def record_event(
         self,
         key: str,
@@ -398,6 +105,44 @@ class ORMDialect(DialectBase):
         detail: dict[str, Any],
     ) -> None:
         self.events.record(key, kind, token, task_id, owner, detail)
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """See :meth:`.RowLocking.acquire`."""
+        return self.locking.acquire(request)
+
+    def release(self, ending: Ending) -> bool:
+        """See :meth:`.RowLocking.release`."""
+        return self.locking.release(ending)
+
+    def force_release(
+        self, key: str, by: str, task_id: str | None = None, token: int | None = None
+    ) -> tuple[int, str] | None:
+        """See :meth:`.RowLocking.force_release`."""
+        return self.locking.force_release(key, by, task_id, token)
+
+    def prove_current(self, key: str, token: int) -> tuple[bool, int | None]:
+        """See :meth:`.RowLocking.prove_current`."""
+        return self.locking.prove_current(key, token)
+
+    def release_current(self, ending: Ending) -> tuple[bool, int | None]:
+        """See :meth:`.RowLocking.release_current`."""
+        return self.locking.release_current(ending)
+
+    def is_current(self, key: str, token: int, owner: str) -> bool:
+        """See :meth:`.RowLocking.is_current`."""
+        return self.locking.is_current(key, token, owner)
+
+    def completed(self, key: str, delivery: Delivery, window: float) -> bool:
+        """See :meth:`.RowLocking.completed`."""
+        return self.locking.completed(key, delivery, window)
+
+    def claim_expired(
+        self, *, grace: float, resend_after: float, max_attempts: int, limit: int
+    ) -> list[Claim]:
+        """See :meth:`.RowLocking.claim_expired`."""
+        return self.locking.claim_expired(
+            grace=grace, resend_after=resend_after, max_attempts=max_attempts, limit=limit
+        )
 
     def estimated_rows(self, table: str) -> int | None:
         return None

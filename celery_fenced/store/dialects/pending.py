@@ -192,7 +192,8 @@ class PendingRows:
         outbox, due at once (in the grant's transaction): its lease row's recorded job —
         what the reclaimer would send again — is replaced by the new grant's. Its reclaim
         count goes with it; a job already abandoned stays so; an ``until_done`` row
-        stamped with that grant stands for it again (PostgreSQL: ``_displaced``)."""
+        stamped with that grant stands for it again (PostgreSQL: the ``displaced`` step of
+        its grant statements)."""
         if (
             previous.job is None
             or previous.released

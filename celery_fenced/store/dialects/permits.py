@@ -15,6 +15,7 @@ grants most permits in one statement first (:mod:`.postgresql`); this is its slo
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 
@@ -35,7 +36,7 @@ class PermitGranter:
     """Grants permits of the database ``alias`` in the caller's transaction (see the module).
 
     ``locked_rows`` and ``next_token``: how the dialect locks permit rows and numbers a
-    grant (the portable ways: :func:`lock_permit_rows`, :func:`next_permit_token`).
+    grant, where not the portable ways (:func:`lock_permit_rows`, :func:`next_permit_token`).
     """
 
     def __init__(
@@ -45,15 +46,15 @@ class PermitGranter:
         events: Events,
         pending: PendingRows,
         *,
-        locked_rows: Callable[[list[str]], list[Lease]],
-        next_token: Callable[[Lease, Iterable[Lease]], int],
+        locked_rows: Callable[[list[str]], list[Lease]] | None = None,
+        next_token: Callable[[Lease, Iterable[Lease]], int] | None = None,
     ) -> None:
         self.alias = alias
         self.now = now
         self.events = events
         self.pending = pending
-        self.locked_rows = locked_rows
-        self.next_token = next_token
+        self.locked_rows = locked_rows or functools.partial(lock_permit_rows, alias)
+        self.next_token = next_token or functools.partial(next_permit_token, alias)
 
     def grant(self, request: GrantRequest) -> Grant | Holder | Completed:
         """Grant one of ``request.limit`` permits of ``request.key`` (see the module)."""

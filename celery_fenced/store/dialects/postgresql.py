@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import permits
+from celery_fenced.models import Lease
 from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
-from celery_fenced.store.dialects.sql import SQLDialect, Statements
+from celery_fenced.store.dialects.sql import SQLDialect
 from celery_fenced.store.dialects.statements import postgresql as sql
 from celery_fenced.store.types import (
     RESULT_COLUMNS,
@@ -35,7 +37,8 @@ def result_lock(task_id: str) -> str:
 class PostgreSQL(SQLDialect):
     """One statement per operation: the state change and its event in one CTE."""
 
-    SQL: ClassVar[Statements] = sql
+    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
+        super().__init__(alias, connection, sql, next_token=self._permit_token)
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})
@@ -123,7 +126,7 @@ class PostgreSQL(SQLDialect):
         return _grant(rows[0]) if rows else None
 
     def record_unique_pending(self, pending: Pending) -> str:
-        """:meth:`PortableOperations.record_unique_pending` without a lock on the copy
+        """:meth:`.PendingRows.record_unique` without a lock on the copy
         that stands: the insert does nothing on a conflict (``ON CONFLICT DO NOTHING``
         locks no row, so a refused call in a transaction of its own never holds up the
         standing copy's grant); refused, a read of that copy tells whether it still
@@ -133,7 +136,7 @@ class PostgreSQL(SQLDialect):
         adds an event to it. A retry's publish, and a conflict on the task id (a row of
         the same job recorded without the key), take the portable path."""
         if pending.same_job:
-            return super().record_unique_pending(pending)
+            return self.pending.record_unique(pending)
         fields = self._pending_fields(pending, unique=True)
         mode = "until_done" if pending.unique == "until_done" else "until_started"
         for _attempt in range(8):
@@ -147,7 +150,7 @@ class PostgreSQL(SQLDialect):
             if not is_ended:
                 return str(task_id)  # refused (or this very job, recorded before)
             self._fetch(sql.DELETE_ENDED_COPY[mode], {"key": pending.key})
-        return super().record_unique_pending(pending)
+        return self.pending.record_unique(pending)
 
     def record_deduplicated(
         self, key: str, task_name: str, standing: str, refused: str
@@ -165,7 +168,7 @@ class PostgreSQL(SQLDialect):
             },
         )
         if not rows:  # the key's row is being created by a transaction not yet visible
-            return super().record_deduplicated(key, task_name, standing, refused)
+            return self.events.record_deduplicated(key, task_name, standing, refused)
         token, owner = rows[0]
         return (int(token) or None), str(owner)
 
@@ -196,7 +199,7 @@ class PostgreSQL(SQLDialect):
             lease_id, token, expires_at, reclaimed_from, marker, key, before = rows[0]
             previous = aware(before) if reclaimed_from and before is not None else None
             return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key, previous)
-        return super().acquire(request)
+        return self.pending.ending_with_grant(request, self.permits.grant)
 
     def _unless_conflicting(
         self, statement: LiteralString, params: dict[str, Any]
@@ -216,7 +219,7 @@ class PostgreSQL(SQLDialect):
             connection.savepoint_commit(savepoint)
         return rows
 
-    def _permit_token(self, head: Any, rows: Any) -> int:
+    def _permit_token(self, head: Lease, rows: Iterable[Lease]) -> int:
         """The head's floor plus the sequence's next value (see :meth:`_grant_permit`)."""
         return int(self._fetch(sql.PERMIT_TOKEN, {"floor": head.token})[0][0])
 

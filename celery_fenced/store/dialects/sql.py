@@ -1,13 +1,18 @@
-"""What the SQL dialects share: the operations whose statements each dialect's statements
-module (:mod:`.statements`) gives under the same names."""
+"""The operations PostgreSQL and SQLite share, each run from their own statements module.
+
+Each dialect's statements module (:mod:`.statements`) gives them under the same names.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from celery_fenced.models import Lease
 from celery_fenced.store.dialects.base import DialectBase
 from celery_fenced.store.dialects.rows import aware, completes
 from celery_fenced.store.types import Delivery, Pending, Renewal
@@ -36,10 +41,26 @@ class Statements(Protocol):
 
 
 class SQLDialect(DialectBase):
-    """Shared shape of the single-statement dialects; subclasses give the clock SQL."""
+    """The operations PostgreSQL and SQLite do alike, each one statement of ``statements``
+    (the dialect's statements module) under the same name.
 
-    #: the dialect's statements module
-    SQL: ClassVar[Statements]
+    ``ttl_param``: a duration in seconds as the statements take it (the number itself
+    unless given); ``next_token``: see :class:`.DialectBase`.
+    """
+
+    def __init__(
+        self,
+        alias: str,
+        connection: BaseDatabaseWrapper | None,
+        statements: Statements,
+        *,
+        ttl_param: Callable[[float], Any] = lambda ttl: ttl,
+        next_token: Callable[[Lease, Iterable[Lease]], int] | None = None,
+    ) -> None:
+        super().__init__(alias, connection, next_token=next_token)
+        self.statements = statements
+        #: a duration in seconds as the statements take it
+        self.ttl_param = ttl_param
 
     def record_pending(self, pending: Pending) -> None:
         """The outbox's row of a published job: one ``INSERT … ON CONFLICT DO UPDATE``.
@@ -48,7 +69,7 @@ class SQLDialect(DialectBase):
         plus the countdown) plus ``resend_after``; a re-publish of the task id (a retry)
         starts the row afresh.
         """
-        self._fetch(self.SQL.RECORD_PENDING, self._pending_fields(pending, unique=False))
+        self._fetch(self.statements.RECORD_PENDING, self._pending_fields(pending, unique=False))
 
     def _pending_fields(self, pending: Pending, *, unique: bool) -> dict[str, Any]:
         """The parameters of a pending row's ``INSERT``: its ETA, expiry and resend time
@@ -85,10 +106,12 @@ class SQLDialect(DialectBase):
             return list(cursor.fetchall())
 
     def now(self) -> dt.datetime:
-        return aware(self._fetch(self.SQL.SELECT_NOW, {})[0][0])
+        return aware(self._fetch(self.statements.SELECT_NOW, {})[0][0])
 
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
-        return bool(self._fetch(self.SQL.COMPLETED, self._marked_fields(key, delivery, window)))
+        return bool(
+            self._fetch(self.statements.COMPLETED, self._marked_fields(key, delivery, window))
+        )
 
     def _marked_fields(self, key: str, delivery: Delivery, window: float) -> dict[str, Any]:
         """The parameters naming a completed job: the key, digest, retries, window."""
@@ -109,7 +132,7 @@ class SQLDialect(DialectBase):
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         if not leases:
             return {}
-        rows = self._fetch(self.SQL.RENEW, self._renew_fields(leases))
+        rows = self._fetch(self.statements.RENEW, self._renew_fields(leases))
         return {(key, token): aware(expires) for key, token, expires in rows}
 
     def _renew_fields(self, leases: Sequence[Renewal]) -> dict[str, Any]:
@@ -123,9 +146,6 @@ class SQLDialect(DialectBase):
             )
         }
 
-    def ttl_param(self, ttl: float) -> Any:
-        return ttl
-
     def record_event(
         self,
         key: str,
@@ -136,7 +156,7 @@ class SQLDialect(DialectBase):
         detail: dict[str, Any],
     ) -> None:
         self._fetch(
-            self.SQL.RECORD_EVENT,
+            self.statements.RECORD_EVENT,
             {
                 "kind": kind,
                 "token": token,
@@ -148,9 +168,11 @@ class SQLDialect(DialectBase):
         )
 
     def is_current(self, key: str, token: int, owner: str) -> bool:
-        return bool(self._fetch(self.SQL.IS_CURRENT, {"key": key, "token": token, "owner": owner}))
+        return bool(
+            self._fetch(self.statements.IS_CURRENT, {"key": key, "token": token, "owner": owner})
+        )
 
     def _current_token(self, key: str) -> int | None:
         """The key's current (or last) token, for the report of a refused write."""
-        rows = self._fetch(self.SQL.CURRENT_TOKEN, {"key": key})
+        rows = self._fetch(self.statements.CURRENT_TOKEN, {"key": key})
         return rows[0][0] if rows else None

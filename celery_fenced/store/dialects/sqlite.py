@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar
+from typing import Any
 
 from django.db import transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced.models import LeaseEvent, ReclaimState
 from celery_fenced.store.dialects.rows import abandoned_detail, aware, holder_of, released_detail
-from celery_fenced.store.dialects.sql import SQLDialect, Statements
+from celery_fenced.store.dialects.sql import SQLDialect
 from celery_fenced.store.dialects.statements import sqlite as sql
 from celery_fenced.store.types import (
     Claim,
@@ -31,10 +32,14 @@ class SQLite(SQLDialect):
     as text with the values Django writes.
     """
 
-    SQL: ClassVar[Statements] = sql
+    def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
+        super().__init__(alias, connection, sql, ttl_param=_seconds_text)
 
-    def ttl_param(self, ttl: float) -> Any:
-        return repr(float(ttl))  # SQLite's time modifiers are text
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """A permit's grant (:mod:`.permits`) or the key's (:meth:`_grant`) and the end of
+        the job's pending row, in one transaction."""
+        grant = self.permits.grant if request.limit is not None else self._grant
+        return self.pending.ending_with_grant(request, grant)
 
     def claim_expired(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
@@ -63,7 +68,8 @@ class SQLite(SQLDialect):
                     )
         return claims
 
-    def _grant_in_transaction(self, request: GrantRequest) -> Grant | Holder | Completed:
+    def _grant(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """The grant of a key (not a permit), in :meth:`acquire`'s transaction."""
         key, owner, task_id, delivery = (
             request.key,
             request.owner,
@@ -99,7 +105,7 @@ class SQLite(SQLDialect):
                 lease_id, token, expires_at, reclaimed_from, marker = rows[0]
                 if reclaimed_from:
                     _, was_task, name, job, released_at, state, attempts, _ends = before[0]
-                    self._requeue_displaced(
+                    self.pending.requeue_displaced(
                         Displaced(
                             key, was_task, name, job, released_at is not None, state, attempts
                         ),
@@ -217,3 +223,8 @@ class SQLite(SQLDialect):
 
     def estimated_rows(self, table: str) -> int | None:
         return None  # SQLite keeps no estimate: the count is exact
+
+
+def _seconds_text(ttl: float) -> str:
+    """A duration in seconds as SQLite's time modifiers take it: text."""
+    return repr(float(ttl))

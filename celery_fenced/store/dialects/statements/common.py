@@ -1,4 +1,4 @@
-"""Column lists and fixed text that several dialects' statements share."""
+"""Column lists and fixed text that several dialects' statements share; the portable clock."""
 
 from __future__ import annotations
 
@@ -67,3 +67,6 @@ RESULT_UPDATE: LiteralString = """periodic_task_name = EXCLUDED.periodic_task_na
     content_type = EXCLUDED.content_type, content_encoding = EXCLUDED.content_encoding,
     result = EXCLUDED.result, date_done = EXCLUDED.date_done,
     traceback = EXCLUDED.traceback, meta = EXCLUDED.meta"""
+
+#: the database's clock in standard SQL (the portable dialect's)
+SELECT_CURRENT_TIMESTAMP: LiteralString = "SELECT CURRENT_TIMESTAMP"

@@ -52,20 +52,6 @@ RECORD_PENDING: LiteralString = (
 
 _AGO_WINDOW: LiteralString = "(statement_timestamp() - (%(window)s)::float8 * interval '1 second')"
 
-# -- name: completed --
-# Whether the delivery's job completed: the key's marker, or a ``Completion`` row.
-COMPLETED: LiteralString = (
-    """SELECT 1 FROM celery_fenced_lease l WHERE l.key = %(key)s
-        AND l.completed_digest = %(digest)s AND l.completed_retries >= %(retries)s
-        AND l.completed_at > """
-    + _AGO_WINDOW
-    + """
-    UNION ALL
-    SELECT 1 FROM celery_fenced_completion c
-    WHERE c.digest = %(digest)s AND c.retries >= %(retries)s AND c.completed_at > """
-    + _AGO_WINDOW
-)
-
 # -- name: renew --
 # Renew the grants of ``%(leases)s`` (a JSON array of [key, token, owner, ttl]) still held.
 RENEW: LiteralString = """WITH v(k, t, o, ttl) AS (
@@ -109,6 +95,15 @@ _COMPLETED: LiteralString = (
 _MARKED: LiteralString = (
     "(l.completed_digest = %(digest)s AND l.completed_retries >= %(retries)s"
     " AND l.completed_at > " + _AGO_WINDOW + ")"
+)
+
+# -- name: completed --
+# Whether the delivery's job completed: the key's marker, or a ``Completion`` row.
+COMPLETED: LiteralString = (
+    "SELECT 1 FROM celery_fenced_lease l WHERE l.key = %(key)s AND "
+    + _MARKED
+    + "\n    UNION ALL\n    "
+    + _COMPLETED
 )
 
 # -- fragments: the grant's upsert (parameters: key, owner, task_id, task_name, ttl, job) ---
@@ -186,7 +181,7 @@ _GRANT_EVENT: LiteralString = (
         FROM granted WHERE reclaimed_from <> '' OR %(routine_events)s)"""
 )
 #: the job of the grant taken over, another job's, handed to the outbox due at once
-#: (``p``: the row before the grant, from the snapshot; ``_DISPLACED_WHERE`` picks it)
+#: (``p``: the row before the grant, from the snapshot, picked by key or by id)
 _DISPLACED_HEAD: LiteralString = (
     """,
     displaced AS (
