@@ -820,9 +820,8 @@ def _lost_in_restart(job: Job, task_id: str, key: str, result: Any, events: Even
 # -- atomic jobs (chaos.atomic: "atomic": True in its fenced_tasks entry) ------------------
 def atomic_tasks(ttl: float) -> dict[str, dict[str, Any]]:
     """The ``fenced_tasks`` entry of the atomic jobs: fenced by configuration alone."""
-    from testproject.demo.chaos_tasks import ATOMIC_KEY
-
-    return {"chaos.atomic": {"ttl": ttl, "key": ATOMIC_KEY, "atomic": True, "reclaim": True}}
+    entry = {"ttl": ttl, "key": workload.ATOMIC_KEY, "atomic": True, "reclaim": True}
+    return {"chaos.atomic": entry}
 
 
 def name_atomic_children(jobs: list[Job]) -> None:

@@ -650,6 +650,10 @@ def _short(value: Any) -> str:
 
 
 # -- atomic jobs ---------------------------------------------------------------------------
+#: the lease key of ``chaos.atomic`` in its ``fenced_tasks`` entry (``"atomic": True``)
+ATOMIC_KEY = "atomic:{job}"
+
+
 def atomic_slot(name: str) -> str:
     """The slot an atomic job's body updates: the runner's row of its base job name."""
     return name.removesuffix("-atomic")

@@ -481,10 +481,6 @@ def errback(self: Any, task_id: str, *, job: str = "") -> Any:
 
 
 # -- atomic jobs: a task fenced by configuration alone, its body in one transaction --------
-#: the runner's ``fenced_tasks`` entry of ``chaos.atomic`` (``"atomic": True``)
-ATOMIC_KEY = "atomic:{job}"
-
-
 def atomic_child_id(parent_id: str, token: int) -> str:
     """The task id of the child an atomic execution publishes: one per execution (a stale
     execution's child, were it ever sent, has an id of its own, never the current one's)."""
