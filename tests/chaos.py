@@ -220,7 +220,9 @@ def setup_django(options: Options, database: str, broker: str) -> dict[str, str]
         "FENCED_USE_TEST_DATABASES": "0",
         "FENCED_BROKER_URL": broker,
         "FENCED_VISIBILITY_TIMEOUT": str(options.visibility),
-        "FENCED_TASKS_JSON": json.dumps({"chaos.configured": {"ttl": options.ttl}}),
+        "FENCED_TASKS_JSON": json.dumps(
+            {"chaos.configured": {"ttl": options.ttl}, **atomic_tasks(options.ttl)}
+        ),
         "FENCED_CHAOS_TTL": str(options.ttl),
         "FENCED_CHAOS_SABOTAGE": "1" if options.sabotage else "0",
         "FENCED_CHAOS_TRACE": "1",  # the tasks record the messages they send
@@ -635,12 +637,13 @@ class Runner:
 
         from celery_fenced.models import Lease
 
-        ids = [i for job in self.jobs for i in (job.ids or {"task": job.task_id}).values()]
         deadline = time.monotonic() + self.options.drain_timeout
         done = 0
         while time.monotonic() < deadline:
             self.housekeeping(time.monotonic())
             try:
+                name_atomic_children(self.jobs)  # a child is awaited once its parent succeeded
+                ids = [i for job in self.jobs for i in (job.ids or {"task": job.task_id}).values()]
                 status = dict(
                     TaskResult.objects.filter(task_id__in=ids).values_list("task_id", "status")
                 )
@@ -814,6 +817,34 @@ def _lost_in_restart(job: Job, task_id: str, key: str, result: Any, events: Even
     return DB_ERROR_BEFORE_GRANT if all(began <= r <= ended for r in received) else ""
 
 
+# -- atomic jobs (chaos.atomic: "atomic": True in its fenced_tasks entry) ------------------
+def atomic_tasks(ttl: float) -> dict[str, dict[str, Any]]:
+    """The ``fenced_tasks`` entry of the atomic jobs: fenced by configuration alone."""
+    entry = {"ttl": ttl, "key": workload.ATOMIC_KEY, "atomic": True, "reclaim": True}
+    return {"chaos.atomic": entry}
+
+
+def name_atomic_children(jobs: list[Job]) -> None:
+    """Each succeeded atomic job's child, named from its stored result (its token)."""
+    from django_celery_results.models import TaskResult
+
+    parents = [j.ids["task"] for j in jobs if j.kind == "atomic" and "child" not in j.ids]
+    if parents:
+        rows = TaskResult.objects.filter(task_id__in=parents, status="SUCCESS")
+        workload.add_atomic_children(jobs, workload.stored_results(rows))
+
+
+def check_atomic_jobs(
+    jobs: list[Job], stored: dict[str, Any], entries: dict[str, list[Any]], runs: Any
+) -> list[tuple[str, str, str]]:
+    """(i) to (k): the atomic jobs' effects, children and ends."""
+    from testproject.demo.models import ChaosSlot
+
+    names = {workload.atomic_slot(j.name) for j in jobs if j.kind == "atomic"}
+    applied = dict(ChaosSlot.objects.filter(job__in=names).values_list("job", "applied"))
+    return workload.check_atomic(jobs, stored, entries, applied, runs)
+
+
 def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) -> Report:
     """Read the ledger, the results and the lease events; verify the invariants."""
     from django_celery_results.models import TaskResult
@@ -834,6 +865,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     entries: dict[str, list[ChaosEntry]] = defaultdict(list)
     for entry in ChaosEntry.objects.order_by("id"):
         entries[entry.job].append(entry)
+    name_atomic_children(jobs)  # before the results are read: a child's result with them
     ids = [i for job in jobs for i in (job.ids or {"task": job.task_id}).values()]
     results = {r.task_id: r for r in TaskResult.objects.filter(task_id__in=ids)}
     status = {task_id: r.status for task_id, r in results.items()}
@@ -983,6 +1015,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         *workload.check_seams(jobs, seams),
         *workload.check_unique(jobs, deduplicated),
         *workload.check_permits(history, PERMITS),
+        *check_atomic_jobs(jobs, stored, entries, runs),
     ]:
         seam_counts[kind] += 1
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
@@ -1029,6 +1062,10 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
             ", ".join(f"{n}: {c}" for n, c in sorted(unique_bursts.items())) or "none",
         ),
         *((row, seam_counts[kind]) for kind, row in workload.SEAMS.items()),
+        (
+            "atomic children run again from one message (plain: at least once)",
+            workload.atomic_reruns(runs),
+        ),
         ("violations", len(violations)),
     ]
     evidence = []

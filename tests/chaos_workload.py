@@ -28,6 +28,16 @@ h. ``replace``: a job whose task replaces itself with its own signature (the sam
    id, name and arguments: a polling loop) ends in its last replacement — none is skipped
    as a copy of the task it replaced.
 
+Atomic jobs (``chaos.atomic``: fenced by configuration with ``"atomic": True``; a plain
+``QuerySet.update()`` of the job's slot, a ledger row and a plain child task), checked by
+:func:`check_atomic`:
+
+i. ``atomic-effect``: the effect is applied at most once, and once exactly for a SUCCESS,
+   by the execution whose result is stored (a stale execution's update never commits).
+j. ``atomic-child``: a SUCCESS's child is sent by the stored execution only and runs; no
+   child of any other execution runs, none for a job that did not succeed.
+k. ``atomic-lost``: each atomic job ends, and a SUCCESS's child too.
+
 (f) and (g), ``lease_unique`` and ``lease_limit``, are checked from the lease events.
 """
 
@@ -62,6 +72,7 @@ KINDS: dict[str, float] = {
     "unique": 8,
     "permits": 8,
     "replace": 8,
+    "atomic": 10,
 }
 #: how many times the runner publishes one lease_unique job back to back
 UNIQUE_CALLS = 4
@@ -82,6 +93,9 @@ SEAMS = {
     "unique": "lease_unique calls refused without one deduplicated event each (f)",
     "permits": "keys with more current grants than their lease_limit at an instant (g)",
     "replace": "self-replacing jobs that ended before their last replacement ran (h)",
+    "atomic-effect": "atomic jobs whose plain update did not commit once, by the stored run (i)",
+    "atomic-child": "atomic jobs whose child was not sent once, by the stored run (j)",
+    "atomic-lost": "atomic jobs (or their children) without a final state (k)",
 }
 #: the tuple a unique job's key names (``batch:[1, 2]`` once the message is decoded)
 UNIQUE_PARTS = (1, 2)
@@ -243,6 +257,13 @@ class Sender:
         result = self.sig("chaos.poll_step", (None, name), {"seconds": self.seconds(0.5)})
         return self._job(name, "replace", {"task": result.apply_async().id})
 
+    def send_atomic(self, name: str) -> Job:
+        # fenced by configuration, atomic: a plain update of the slot the runner made for
+        # the job's base name (``job00012`` of ``job00012-atomic``), and a plain child
+        kwargs = {"slot": atomic_slot(name), "seconds": self.seconds()}
+        result = self.sig("chaos.atomic", (name,), kwargs).apply_async()
+        return self._job(name, "atomic", {"task": result.id})
+
     @staticmethod
     def _job(name: str, kind: str, ids: dict[str, str]) -> Job:
         first = next(iter(ids.values()))
@@ -279,6 +300,7 @@ def sent_by_runner(job: Job) -> list[str]:
         "chord": ["h0", "h1", "h2"],
         "link": ["parent"],
         "limit": ["task"],
+        "atomic": ["task"],  # its "child" is sent by the committed execution
     }.get(job.kind)
     return list(ids.values()) if roles is None else [ids[role] for role in roles]
 
@@ -625,3 +647,124 @@ def _completed_reruns(seams: Seams) -> list[tuple[str, str, str]]:
 def _short(value: Any) -> str:
     text = json.dumps(value, sort_keys=True)
     return text if len(text) < 120 else text[:117] + "..."
+
+
+# -- atomic jobs ---------------------------------------------------------------------------
+#: the lease key of ``chaos.atomic`` in its ``fenced_tasks`` entry (``"atomic": True``)
+ATOMIC_KEY = "atomic:{job}"
+
+
+def atomic_slot(name: str) -> str:
+    """The slot an atomic job's body updates: the runner's row of its base job name."""
+    return name.removesuffix("-atomic")
+
+
+def add_atomic_children(jobs: list[Job], stored: dict[str, Stored]) -> None:
+    """Name each atomic job's child (role ``child``) once its task succeeded: the child of
+    the execution whose result is stored (its id names that execution's token), so that
+    the child is awaited and checked like the job's other tasks."""
+    from testproject.demo.chaos_tasks import atomic_child_id
+
+    for job in jobs:
+        if job.kind != "atomic" or "child" in job.ids:
+            continue
+        row = stored.get(job.ids["task"])
+        if row is None or row.status != "SUCCESS":
+            continue
+        token = row.token
+        if token is None and isinstance(row.value, dict):
+            token = row.value.get("token")
+        if isinstance(token, int):
+            job.ids["child"] = atomic_child_id(job.ids["task"], token)
+
+
+def check_atomic(
+    jobs: list[Job],
+    stored: dict[str, Stored],
+    entries: dict[str, list[Any]],
+    applied: dict[str, int],
+    runs: dict[str, list[Any]],
+) -> list[tuple[str, str, str]]:
+    """(i), (j), (k) for the atomic jobs: ``entries`` are the ledger rows by job, ``applied``
+    the slots' counters by slot, ``runs`` the trace's run rows by task id."""
+    children: dict[str, list[Any]] = defaultdict(list)  # job -> its children's run rows
+    for rows in runs.values():
+        for run in rows:
+            if run.name == "chaos.atomic_child":
+                children[run.job].append(run)
+    found: list[tuple[str, str, str]] = []
+    for job in jobs:
+        if job.kind != "atomic":
+            continue
+        parent = stored.get(job.ids["task"])
+        rows = [e for e in entries.get(job.name, []) if e.via == "atomic"]
+        found += _atomic_effect(job, parent, rows, applied.get(atomic_slot(job.name), 0))
+        found += _atomic_child(job, parent, children.get(job.name, []), stored)
+    return found
+
+
+def _atomic_effect(
+    job: Job, parent: Stored | None, rows: list[Any], counter: int
+) -> list[tuple[str, str, str]]:
+    """(i) The plain update and the ledger row commit together, at most once; once exactly,
+    under the stored token, for a SUCCESS; never for a job that did not succeed."""
+    tokens = [r.token for r in rows]
+    problems = []
+    if len(rows) > 1:
+        problems.append(
+            f"effect applied {len(rows)}x (tokens {tokens}, workers {[r.worker for r in rows]})"
+        )
+    if counter != len(rows):
+        problems.append(
+            f"slot updated {counter}x, {len(rows)} ledger rows: the plain update "
+            "and the ledger row did not commit together"
+        )
+    if parent is not None and parent.status == "SUCCESS":
+        if not rows:
+            problems.append(f"succeeded under token {parent.token} without its effect")
+        elif parent.token not in tokens:
+            problems.append(f"effect under token {tokens}, result under token {parent.token}")
+    elif rows and parent is not None and parent.status in FINAL:
+        problems.append(f"effect under token {tokens} of a job that ended {parent.status}")
+    return _one("atomic-effect", job, f"atomic {job.ids['task'][:8]}", problems)
+
+
+def _atomic_child(
+    job: Job, parent: Stored | None, runs: list[Any], stored: dict[str, Stored]
+) -> list[tuple[str, str, str]]:
+    """(j) the child of the stored execution runs; no other child runs; (k) the job and,
+    for a SUCCESS, its child end."""
+    from testproject.demo.chaos_tasks import atomic_child_id
+
+    parent_id = job.ids["task"]
+    success = parent is not None and parent.status == "SUCCESS"
+    current = atomic_child_id(parent_id, parent.token) if success and parent else None
+    problems = []
+    for run in runs:
+        if run.task_id != current:
+            sender = run.value.get("token") if isinstance(run.value, dict) else run.value
+            problems.append(
+                f"child {run.task_id[-12:]} of token {sender} ran (worker {run.worker}) while "
+                f"the job's stored state is {parent.status if parent else 'no result'} under "
+                f"token {parent.token if parent else None}"
+            )
+    if success and current is not None and not any(r.task_id == current for r in runs):
+        problems.append(f"the child of token {parent.token if parent else None} never ran")
+    found = _one("atomic-child", job, f"atomic {parent_id[:8]}", problems)
+    lost = []
+    if parent is None or parent.status not in FINAL:
+        lost.append(f"ended {parent.status if parent else 'with no result'}")
+    elif current is not None and (child := stored.get(current)) is not None:
+        if child.status not in FINAL:
+            lost.append(f"its child ended {child.status}")
+    elif current is not None:
+        lost.append("its child has no result")
+    return found + _one("atomic-lost", job, f"atomic {parent_id[:8]}", lost)
+
+
+def atomic_reruns(runs: dict[str, list[Any]]) -> int:
+    """Atomic children run more than once from one message (a plain task is at least once:
+    its worker killed before the acknowledgement): counted, not a violation."""
+    return sum(
+        len(rows) - 1 for rows in runs.values() if rows and rows[0].name == "chaos.atomic_child"
+    )

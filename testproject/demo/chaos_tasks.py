@@ -478,3 +478,38 @@ def callback(self: Any, value: Any, job: str) -> Any:
 def errback(self: Any, task_id: str, *, job: str = "") -> Any:
     """A plain ``link_error`` callback, called the old way (one positional: the task id)."""
     return _step(self, task_id, job, 101, 0.0, False)
+
+
+# -- atomic jobs: a task fenced by configuration alone, its body in one transaction --------
+def atomic_child_id(parent_id: str, token: int) -> str:
+    """The task id of the child an atomic execution publishes: one per execution (a stale
+    execution's child, were it ever sent, has an id of its own, never the current one's)."""
+    return f"{parent_id}-child-{token}"
+
+
+@shared_task(bind=True, name="chaos.atomic", **RETRY)
+def atomic(self: Any, job: str, slot: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Fenced by configuration with ``"atomic": True`` and never naming its token for a
+    write: a plain ``QuerySet.update()`` of the job's :class:`ChaosSlot`, a ledger row
+    (``via="atomic"``, the execution's token) and a plain child task, published. Only an
+    execution whose token is current when the body's transaction commits leaves any of it.
+    """
+    _work(seconds)
+    lease = current_lease()
+    if lease is None:
+        raise RuntimeError("chaos.atomic must run fenced: name it in FENCED_TASKS_JSON")
+    ChaosSlot.objects.filter(job=slot).update(applied=F("applied") + 1)
+    _append(job, lease, "atomic", self.request.id or "")
+    parent_id = self.request.id or ""
+    atomic_child.apply_async(
+        ({"parent": parent_id, "token": lease.token}, job),
+        task_id=atomic_child_id(parent_id, lease.token),
+        queue=(self.request.delivery_info or {}).get("routing_key"),
+    )
+    return _outcome(job, lease, True)
+
+
+@shared_task(name="chaos.atomic_child", **PLAIN)
+def atomic_child(self: Any, value: Any, job: str) -> Any:
+    """The plain child of an atomic job: its ``run`` row names the sending execution."""
+    return _step(self, value, job, 1, 0.0, False)

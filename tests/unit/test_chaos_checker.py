@@ -495,3 +495,93 @@ def test_plot__counts_and_leases_held_from_the_events() -> None:
     picture = chaos_plot.svg(events, [(at(2), at(3))])
     assert picture.startswith("<svg")
     assert "PostgreSQL restart" in picture
+
+
+# -- atomic jobs (i) to (k), on hand-made histories -----------------------------------------
+def atomic_history(case: str) -> chaos.Job:
+    """An atomic job: a (token 1) was taken over by b (token 2), whose body committed its
+    plain update, its ledger row, its result and its child; ``case`` spoils it."""
+    ChaosSlot.objects.create(job="j1", applied=1)
+    grant("atomic:j1-atomic", 1, "a", "t1", 0)
+    taken = grant("atomic:j1-atomic", 2, "b", "t1", 3)
+    entry = {"job": "j1-atomic", "lease_key": "atomic:j1-atomic", "via": "atomic"}
+    ChaosEntry.objects.create(**entry, token=2, owner="b", written_at=at(4), grant_seen=2)
+    failed = case in ("child-of-failure", "effect-of-failure")
+    release(taken, 2, 4, "FAILURE" if failed else "SUCCESS")
+    if case == "effect-of-failure":
+        ChaosSlot.objects.filter(job="j1").update(applied=1)
+    elif failed:
+        ChaosEntry.objects.filter(job="j1-atomic").delete()
+        ChaosSlot.objects.filter(job="j1").update(applied=0)
+    if case != "lost":
+        stored("t1", 2, "FAILURE" if failed else "SUCCESS")
+    child = chaos_tasks.atomic_child_id("t1", 2)
+    if case not in ("child-never-ran", "lost") and not failed:
+        stored(child, None)
+        atomic_child_ran(child, 2)
+    if case == "applied-twice":  # a's body committed too, before b's grant
+        ChaosEntry.objects.create(**entry, token=1, owner="a", written_at=at(2), grant_seen=1)
+        ChaosSlot.objects.filter(job="j1").update(applied=2)
+    elif case == "update-without-row":  # the plain update committed apart from the row
+        ChaosSlot.objects.filter(job="j1").update(applied=2)
+    elif case in ("stale-child", "child-of-failure"):  # a's child was sent, and ran
+        atomic_child_ran(chaos_tasks.atomic_child_id("t1", 1), 1)
+    elif case == "child-run-again":  # one message delivered twice: a plain task's lot
+        atomic_child_ran(child, 2)
+    return chaos.Job("j1-atomic", "chaos.atomic", "t1", 0.0, kind="atomic", ids={"task": "t1"})
+
+
+def atomic_child_ran(task_id: str, token: int) -> None:
+    value = {"parent": "t1", "token": token}
+    row = chaos_tasks.Trace(
+        0,
+        "run",
+        "chaos.atomic_child",
+        "j1-atomic",
+        1,
+        task_id,
+        "t1",
+        None,
+        "",
+        "w9",
+        0,
+        value,
+        None,
+    )
+    chaos_tasks.record(row)
+
+
+@db
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("clean", set()),
+        ("child-run-again", set()),
+        ("applied-twice", {"atomic-effect"}),
+        ("update-without-row", {"atomic-effect"}),
+        ("effect-of-failure", {"atomic-effect", "failed"}),
+        ("stale-child", {"atomic-child"}),
+        ("child-of-failure", {"atomic-child", "failed"}),
+        ("child-never-ran", {"atomic-child", "atomic-lost", "not-final"}),
+        ("lost", {"atomic-lost", "not-final"}),
+    ],
+)
+def test_checker__atomic_job_applied_or_sent_other_than_once_is_seen(
+    case: str, expected: set[str]
+) -> None:
+    """(i) a duplicate effect (or an update apart from its row), (j) a stale execution's
+    child, (k) a job or its child without an end: each reported."""
+    found = {kind for kind, _ in run_check([atomic_history(case)])}
+    assert found == expected, found
+
+
+def test_checker__atomic_children_are_named_by_the_stored_token() -> None:
+    job = chaos.Job("j1-atomic", "chaos.atomic", "t1", 0.0, kind="atomic", ids={"task": "t1"})
+    pending = chaos.Job("j2-atomic", "chaos.atomic", "t2", 0.0, kind="atomic", ids={"task": "t2"})
+    stored = {
+        "t1": chaos_workload.Stored("SUCCESS", 3, {"token": 3}),
+        "t2": chaos_workload.Stored("STARTED", None, None),
+    }
+    chaos_workload.add_atomic_children([job, pending], stored)
+    assert job.ids == {"task": "t1", "child": chaos_tasks.atomic_child_id("t1", 3)}
+    assert pending.ids == {"task": "t2"}
