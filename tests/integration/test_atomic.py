@@ -374,3 +374,37 @@ def test_atomic_body__its_bound_is_not_left_on_the_session(
     deliver(broker.app, broker.one("atomic.charge"))
     assert report(lease_db) == (("MainThread;", "MainThread") if action == "return" else ("", ""))
     assert bound() == before
+
+
+def test_atomic_body_whose_commit_fails__nothing_of_it_commits(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settle's commit fails (the database refuses it, or the connection is lost as it
+    commits): the body's writes, its child, its success and the release all roll back;
+    the failure is then recorded, and the lease released, apart."""
+    from django.db import OperationalError
+
+    connection = connections[lease_db]
+    real = connection.commit
+    failed: list[bool] = []
+
+    def commit() -> None:
+        if connection.in_atomic_block or failed or not runs("atomic.charge"):
+            return real()  # a grant's commit, or one after the failed one
+        failed.append(True)
+        connection.connection.rollback()  # what a commit the server refused leaves
+        raise OperationalError("the commit failed")
+
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    monkeypatch.setattr(connection, "commit", commit)
+    with pytest.warns(RuntimeWarning, match="the commit failed"):
+        deliver(broker.app, broker.one("atomic.charge"))
+    monkeypatch.setattr(connection, "commit", real)
+    assert failed
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    assert PendingJob.objects.using(lease_db).count() == 0
+    assert status(lease_db, result.id)[0] == states.FAILURE  # recorded after, apart
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.FAILURE)
+    assert not connection.in_atomic_block
