@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DatabaseError, connections, transaction
 
-from celery_fenced import outbox, store
+from celery_fenced import context, outbox, store
 from celery_fenced.request_state import carry, state_of
 
 if TYPE_CHECKING:
@@ -159,6 +159,7 @@ def run_body(
     try:
         with ExitStack() as stack:
             stack.enter_context(outbox.plain_sends_recorded(lease.alias))
+            stack.enter_context(context.in_atomic_body(lease))
             stack.enter_context(_other_writes_named(task_name, lease.alias))
             retval = call(*args, **kwargs)
         if connections[lease.alias].needs_rollback:

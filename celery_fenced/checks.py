@@ -24,6 +24,9 @@ and what would be valid.
 | W008 | fenced tasks, but no result backend at all |
 | W009 | a ``fenced_tasks`` key that matches no registered task |
 | W010 | a task's own ``acks_late=False``, overridden because ``fenced_tasks`` selects it |
+| W011 | atomic tasks whose results are written to another database than the leases |
+| W012 | atomic tasks on SQLite (one writer: a long body blocks every grant and renewal) |
+| W013 | atomic tasks on MySQL (no server-side bound on a paused body's transaction) |
 """
 
 from __future__ import annotations

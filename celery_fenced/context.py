@@ -19,6 +19,22 @@ open_guards: ContextVar[tuple[tuple[str, str, int], ...]] = ContextVar(
     "celery_fenced_guards", default=()
 )
 
+#: the lease whose atomic body runs in this context, its transaction open (set by
+#: :func:`celery_fenced.atomic.run_body` around the body's call)
+atomic_body_lease: ContextVar[HeldLease | None] = ContextVar(
+    "celery_fenced_atomic_body", default=None
+)
+
+
+@contextlib.contextmanager
+def in_atomic_body(lease: HeldLease) -> Iterator[None]:
+    """Inside it, the body running in this context is ``lease``'s atomic body."""
+    marker = atomic_body_lease.set(lease)
+    try:
+        yield
+    finally:
+        atomic_body_lease.reset(marker)
+
 
 def current_lease() -> HeldLease | None:
     """The lease held by the fenced task running in this thread/context, or ``None``."""

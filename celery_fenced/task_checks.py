@@ -7,6 +7,7 @@ from typing import Any
 
 from django.apps import apps
 from django.core import checks
+from django.db import DatabaseError, connections, router
 
 from celery_fenced import conf, startup
 from celery_fenced.exceptions import FencedConfigurationError
@@ -80,6 +81,7 @@ def check_tasks(**kwargs: Any) -> list[checks.CheckMessage]:
     if not tasks:
         return messages
     messages += _result_backend_messages(app, tasks)
+    messages += _atomic_messages(app, tasks, kwargs.get("databases"))
     for info in tasks:
         messages += _task_messages(app, info)
     return messages
@@ -131,6 +133,75 @@ def _result_backend_messages(
             id="celery_fenced.W002",
         )
     ]
+
+
+def _atomic_messages(
+    app: Any, tasks: list[startup.FencedTaskInfo], databases: Any
+) -> list[checks.CheckMessage]:
+    """W011-W013: what keeps the atomic tasks' bodies from committing with their result,
+    or from being bounded, on this project's databases (see :mod:`celery_fenced.atomic`)."""
+    atomic = [info.name for info in tasks if info.options.atomic]
+    if not atomic:
+        return []
+    names = ", ".join(atomic[:5]) + (", …" if len(atomic) > 5 else "")
+    try:
+        leases = startup.lease_database()
+    except FencedConfigurationError:
+        return []  # E001
+    messages: list[checks.CheckMessage] = []
+    results = router.db_for_write(apps.get_model("django_celery_results", "TaskResult"))
+    if startup.results_fenced(app) and results != leases:
+        messages.append(
+            checks.Warning(
+                f"{len(atomic)} atomic task(s) ({names}) run their bodies in a transaction "
+                f"on the lease database {leases!r}, but their results are written to "
+                f"{results!r}: the result cannot commit with the body. It commits apart, "
+                "before the body's transaction, and stands even if that commit then fails.",
+                hint="Route django_celery_results.TaskResult to the lease database (see "
+                "celery_fenced.W001).",
+                id="celery_fenced.W011",
+            )
+        )
+    vendor = lease_vendor(leases, databases)
+    if vendor == "sqlite":
+        messages.append(
+            checks.Warning(
+                f"{len(atomic)} atomic task(s) ({names}) on SQLite, which has one writer: "
+                "from its first write an atomic body holds the database's write lock until "
+                "it ends, so every other write waits for it (other grants, renewals, "
+                "results), and a paused body blocks them all; nothing bounds it.",
+                hint="Keep atomic bodies short (well under their ttl), or use PostgreSQL "
+                "or MariaDB for anything but development.",
+                id="celery_fenced.W012",
+            )
+        )
+    elif vendor == "mysql":
+        messages.append(
+            checks.Warning(
+                f"{len(atomic)} atomic task(s) ({names}) on MySQL, which has no server-side "
+                "bound on a transaction left idle: a paused atomic body (SIGSTOP, a long "
+                "pause) keeps the row locks of what it wrote until it wakes or its "
+                "connection dies, and the current holder's writes of those rows wait.",
+                hint="Use PostgreSQL or MariaDB for atomic tasks (their bodies are bounded "
+                "to about the ttl), or fence the writes with fenced_update() or guard().",
+                id="celery_fenced.W013",
+            )
+        )
+    return messages
+
+
+def lease_vendor(alias: str, databases: Any) -> str | None:
+    """The lease database's kind: ``sqlite``, ``postgresql``, ``mariadb``, ``mysql``; None
+    for a MariaDB or MySQL server the checks were not given to read (``databases``)."""
+    connection = connections[alias]
+    if connection.vendor != "mysql":
+        return str(connection.vendor)
+    if not databases or alias not in databases:
+        return None  # which of the family it is takes a query
+    try:
+        return "mariadb" if getattr(connection, "mysql_is_mariadb", False) else "mysql"
+    except DatabaseError:
+        return None  # not reachable now: the first lease operation says so
 
 
 def _task_messages(app: Any, info: startup.FencedTaskInfo) -> list[checks.CheckMessage]:

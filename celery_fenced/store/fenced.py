@@ -12,7 +12,7 @@ from django.db import connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import signals
-from celery_fenced.context import open_guards
+from celery_fenced.context import atomic_body_lease, open_guards
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
@@ -100,9 +100,13 @@ def fenced_transaction(
     (unless an outer transaction of the caller's rolls back too).
     """
     alias = database_alias(using)
+    in_body = _in_atomic_body_of(alias, key, token)
     try:
         with transaction.atomic(using=alias):
-            ok, current = dialects.for_alias(alias).prove_current(key, token)
+            if in_body:
+                ok, current = _read_current(alias, key, token)
+            else:
+                ok, current = dialects.for_alias(alias).prove_current(key, token)
             if not ok:
                 raise Refused(current)
             marker = open_guards.set((*open_guards.get(), (alias, key, token)))
@@ -124,6 +128,39 @@ def fenced_transaction(
             what=what,
             task_name=lease.task_name if lease else "",
         ) from None
+
+
+def _in_atomic_body_of(alias: str, key: str, token: int) -> bool:
+    """Whether this runs inside the open transaction of the atomic body of ``key``'s grant
+    ``token`` on ``alias`` (see :mod:`celery_fenced.atomic`)."""
+    body = atomic_body_lease.get()
+    return (
+        body is not None
+        and (body.alias, body.key, body.token) == (alias, key, token)
+        and connections[alias].in_atomic_block
+    )
+
+
+def _read_current(alias: str, key: str, token: int) -> tuple[bool, int | None]:
+    """The proof of a guard() or fenced_update inside that grant's atomic body: a plain
+    read, which locks nothing.
+
+    A locking proof there (the lease row's ``FOR UPDATE``, SQLite's write lock) would be
+    held until the body's transaction ends, and the renewer's ``UPDATE`` of that row, on
+    its own connection, would wait for it, time out and lose a lease that is current. No
+    lock is needed: none of the body's writes commits but with the body's transaction,
+    whose commit is preceded, in that transaction, by the locking proof of the settle
+    (the release's conditional ``UPDATE``). This read only fails the body early once
+    its token is gone. It reads the token and the release, not the expiry: a snapshot
+    (REPEATABLE READ) may hold an expiry that renewals have moved since, and a grant
+    expired with no successor is still accepted by the settle's proof.
+    """
+    row = Lease._default_manager.using(alias).filter(key=key).values_list("token", "released_at")
+    found = row.first()
+    if found is None:
+        return False, None
+    current, released_at = found
+    return current == token and released_at is None, current
 
 
 def in_guard(key: str, token: int) -> bool:

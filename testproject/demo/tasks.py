@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any
 
 from celery import shared_task
 from celery.worker.request import Request
+from django.db.models import F, Value
+from django.db.models.functions import Concat
 
 from celery_fenced import FencedTask, current_lease, fenced_update
 from testproject.demo.models import LedgerEntry, Report
@@ -153,3 +156,32 @@ def poll(self: Any, label: str, until: int) -> Any:
         queue = (self.request.delivery_info or {}).get("routing_key")
         return self.replace(poll.si(label, until).set(queue=queue))
     return {"label": label, "polls": polls}
+
+
+@shared_task(bind=True)
+def charge_invoice(self: Any, report_id: int, hold_dir: str = "") -> dict[str, Any]:
+    """A plain task (no token in sight): a plain ``update()`` of the report and a plain
+    child task. Fenced, and atomic, when CELERY_FENCED_TASKS says so. A worker named by a
+    file ``hold-<worker>`` in ``hold_dir`` says it wrote (``wrote-<worker>``) and then
+    waits in its body, its transaction open, until that file is gone."""
+    worker = _worker()
+    Report.objects.filter(pk=report_id).update(
+        body=Concat(F("body"), Value(f"{worker};")), built_by=worker
+    )
+    queue = (self.request.delivery_info or {}).get("routing_key")
+    record_charge.apply_async((report_id, worker), queue=queue)
+    hold = os.path.join(hold_dir, f"hold-{worker}") if hold_dir else ""
+    if hold and os.path.exists(hold):
+        open(os.path.join(hold_dir, f"wrote-{worker}"), "w").close()
+        deadline = time.monotonic() + 60
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {"worker": worker}
+
+
+@shared_task
+def record_charge(report_id: int, by: str) -> None:
+    """``charge_invoice``'s child: each run its own ledger row."""
+    LedgerEntry.objects.create(
+        job=f"charge:{report_id}", effect=f"child of {by} {uuid.uuid4().hex}", token=0
+    )

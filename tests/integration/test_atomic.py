@@ -9,8 +9,10 @@ grant expired while its body was held at a gate and was taken over by another de
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +22,7 @@ from django.db import connections, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Concat
 
-from celery_fenced import hooks
+from celery_fenced import atomic, current_lease, fenced_update, hooks
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from testproject.demo.models import Report
 from tests.conftest import WITH_MARIADB
@@ -44,6 +46,7 @@ pytestmark = [
 FENCED_TASKS = {
     "atomic.charge": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.hold": {"ttl": 2, "key": "charge:{name}", "atomic": True},
+    "atomic.proven": {"ttl": 2, "key": "charge:{name}", "atomic": True},
 }
 #: what a body does once its gate opens, by thread name: "raise", "retry"
 ACTIONS: dict[str, str] = {}
@@ -93,11 +96,38 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         Report.objects.filter(name=name).update(built_by=f"{thread} woke")
         return f"held by {thread}"
 
+    @app.task(name="atomic.proven", shared=False)
+    def proven(name: str, how: str) -> str:
+        """Proves its token in its body (``fenced_update`` or ``guard()``), then works on
+        in its transaction (a read every 0.2 s: never idle in it for its ttl) until its
+        gate opens."""
+        thread = threading.current_thread().name
+        lease = current_lease()
+        assert lease is not None
+        if how == "fenced_update":
+            fenced_update(Report.objects.filter(name=name), token=lease.token, built_by=thread)
+        else:
+            with lease.guard():
+                Report.objects.filter(name=name).update(built_by=thread)
+        RUNS.append(("atomic.proven", name, thread))
+        gate = GATES.get(thread)
+        deadline = time.monotonic() + 60
+        while gate is not None and not gate.wait(0.2):
+            assert time.monotonic() < deadline
+            Report.objects.filter(name=name).exists()
+        return f"proven by {thread}"
+
     @app.task(name="atomic.notify", shared=False)
     def notify(name: str, by: str) -> None:
         RUNS.append(("atomic.notify", (name, by), threading.current_thread().name))
 
     return app
+
+
+@pytest.fixture
+def alias(alias_with_mariadb: str) -> str:
+    """SQLite, PostgreSQL and MariaDB."""
+    return alias_with_mariadb
 
 
 @pytest.fixture
@@ -229,8 +259,9 @@ def test_atomic_body_left_open__closed_by_the_backends_cleanup(
 
 
 def test_atomic_body_writes_another_alias__warned_once(
-    broker: Broker, lease_db: str, caplog: Any
+    broker: Broker, lease_db: str, caplog: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(atomic, "_warned", set())  # once per process: not a former test's
     other = "postgres" if lease_db != "postgres" else "default"
     app = broker.app
 
@@ -286,3 +317,94 @@ def test_atomic_body_paused_after_writing__does_not_stall_the_current_one(
     a.finish()
     assert report(lease_db) == ("B;", "B woke")
     assert status(lease_db, result.id) == (states.SUCCESS, '"held by B"')
+
+
+@pytest.mark.parametrize("how", ["fenced_update", "guard"])
+def test_atomic_body_proving_its_token__renewals_go_on_while_it_runs(
+    broker: Broker, lease_db: str, how: str
+) -> None:
+    """A body that proves its token (``fenced_update`` or ``guard()``) holds no lock on
+    its lease row for the rest of its transaction: held past its ttl (2 s), its lease is
+    renewed meanwhile (the renewer's own connection), never lost, and its writes commit."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite: one writer; a body that wrote holds every renewal (documented)")
+    result = broker.app.send_task("atomic.proven", args=["inv-1", how])
+    a = Execution(broker.app, broker.one("atomic.proven"), "A")
+    first = granted(lease_db, result.id, 1).expires_at
+    wait_for(lambda: ("atomic.proven", "inv-1", "A") in RUNS, "A's proof and write")
+    wait_for(
+        lambda: (
+            Lease.objects.using(lease_db).get(key="charge:inv-1").expires_at
+            > first + dt.timedelta(seconds=2)
+        ),
+        "renewals past the first grant's ttl",
+        timeout=10,
+    )
+    a.finish()
+    assert status(lease_db, result.id) == (states.SUCCESS, '"proven by A"')
+    assert report(lease_db) == ("", "A")
+    lost = LeaseEvent.objects.using(lease_db).filter(kind=LeaseEvent.Kind.LOST)
+    assert not lost.exists()
+
+
+@pytest.mark.parametrize("action", ["return", "raise"])
+def test_atomic_body__its_bound_is_not_left_on_the_session(
+    broker: Broker, lease_db: str, action: str
+) -> None:
+    """The idle-in-transaction bound is the body's only: PostgreSQL's is local to its
+    transaction, MariaDB's session variable is restored once it ends (committed or not)."""
+    vendor = connections[lease_db].vendor
+    if vendor == "sqlite":
+        pytest.skip("SQLite: no bound")
+    variable = (
+        "SHOW idle_in_transaction_session_timeout"
+        if vendor == "postgresql"
+        else "SELECT @@SESSION.idle_transaction_timeout"
+    )
+
+    def bound() -> Any:
+        with connections[lease_db].cursor() as cursor:
+            cursor.execute(variable)
+            return cursor.fetchone()[0]
+
+    before = bound()
+    if action == "raise":
+        ACTIONS["MainThread"] = "raise"
+    broker.app.send_task("atomic.charge", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.charge"))
+    assert report(lease_db) == (("MainThread;", "MainThread") if action == "return" else ("", ""))
+    assert bound() == before
+
+
+def test_atomic_body_whose_commit_fails__nothing_of_it_commits(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settle's commit fails (the database refuses it, or the connection is lost as it
+    commits): the body's writes, its child, its success and the release all roll back;
+    the failure is then recorded, and the lease released, apart."""
+    from django.db import OperationalError
+
+    connection = connections[lease_db]
+    real = connection.commit
+    failed: list[bool] = []
+
+    def commit() -> None:
+        if connection.in_atomic_block or failed or not runs("atomic.charge"):
+            return real()  # a grant's commit, or one after the failed one
+        failed.append(True)
+        connection.connection.rollback()  # what a commit the server refused leaves
+        raise OperationalError("the commit failed")
+
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    monkeypatch.setattr(connection, "commit", commit)
+    with pytest.warns(RuntimeWarning, match="the commit failed"):
+        deliver(broker.app, broker.one("atomic.charge"))
+    monkeypatch.setattr(connection, "commit", real)
+    assert failed
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    assert PendingJob.objects.using(lease_db).count() == 0
+    assert status(lease_db, result.id)[0] == states.FAILURE  # recorded after, apart
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.FAILURE)
+    assert not connection.in_atomic_block

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from django.core import checks
+from django.db import connections
 
 from celery_fenced.checks import check_settings
 from celery_fenced.execution import FencedTask
@@ -350,3 +351,63 @@ def test_check_tasks__configured_task_of_an_acks_late_false_app_passes() -> None
     app = fresh_app(fenced_tasks={"mod.*": {}}, task_acks_late=False)
     app.task(name="mod.plain", shared=False)(noop)
     assert task_messages(app, "mod.plain") == []
+
+
+# -- atomic tasks ---------------------------------------------------------------------------
+def atomic_app(**conf: Any) -> Any:
+    app = fresh_app(result_backend="fenced-db", **conf)
+    app.task(name="mod.atomic", base=FencedTask, lease_atomic=True, shared=False)(noop)
+    return app
+
+
+def test_check_tasks__atomic_on_sqlite_is_w012() -> None:
+    (warning,) = task_messages(atomic_app())
+    assert warning.id == "celery_fenced.W012"
+    assert "1 atomic task(s) (mod.atomic) on SQLite, which has one writer" in warning.msg
+    assert "other grants, renewals, results" in warning.msg
+
+
+def test_check_tasks__every_task_atomic_by_the_setting_is_named() -> None:
+    (warning,) = task_messages(atomic_app(fenced_atomic=True))
+    assert "2 atomic task(s) (mod.atomic, mod.build)" in warning.msg
+
+
+def test_check_tasks__atomic_results_elsewhere_is_w011(settings: Any) -> None:
+    settings.CELERY_FENCED_DATABASE = "default_replica"  # results stay on "default"
+    found = [m for m in task_messages(atomic_app()) if m.id == "celery_fenced.W011"]
+    assert len(found) == 1
+    assert "transaction on the lease database 'default_replica'" in found[0].msg
+    assert "results are written to 'default': the result cannot commit with the body" in (
+        found[0].msg
+    )
+
+
+@pytest.mark.parametrize(
+    ("vendor", "expected"),
+    [("mysql", ["celery_fenced.W013"]), ("mariadb", []), ("postgresql", []), (None, [])],
+)
+def test_check_tasks__atomic_on_mysql_is_w013(
+    monkeypatch: pytest.MonkeyPatch, vendor: str | None, expected: list[str]
+) -> None:
+    from celery_fenced import task_checks
+
+    monkeypatch.setattr(task_checks, "lease_vendor", lambda alias, databases: vendor)
+    found = task_messages(atomic_app())
+    assert [m.id for m in found] == expected
+    if expected:
+        assert "no server-side bound on a transaction left idle" in found[0].msg
+
+
+def test_check_tasks__no_atomic_task_no_atomic_warning() -> None:
+    assert task_messages(fresh_app(result_backend="fenced-db")) == []
+
+
+def test_lease_vendor__the_mysql_family_unread_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery_fenced.task_checks import lease_vendor
+
+    assert lease_vendor("default", None) == "sqlite"
+    monkeypatch.setattr(connections["default"], "vendor", "mysql")
+    assert lease_vendor("default", None) is None
+    assert lease_vendor("default", ["other"]) is None
