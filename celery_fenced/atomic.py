@@ -35,10 +35,13 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, connections, transaction
+from celery.exceptions import Ignore
+from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
 
 from celery_fenced import context, outbox, store
+from celery_fenced.exceptions import LeaseLost
 from celery_fenced.request_state import carry, state_of
+from celery_fenced.results import Deferred
 
 if TYPE_CHECKING:
     from celery_fenced.store import HeldLease
@@ -61,6 +64,8 @@ class BodyTransaction:
         self.lease = lease
         self.alias = lease.alias
         self.open = False
+        #: whether it committed (set by its first commit hook, then by :meth:`commit`)
+        self.committed = False
         self._atomic = transaction.atomic(using=lease.alias)
         self._restore: Callable[[], None] | None = None
 
@@ -68,6 +73,10 @@ class BodyTransaction:
         """Open the transaction, bounded to about the lease's ttl of idleness."""
         self._atomic.__enter__()
         self.open = True
+        self.committed = False
+        # the first of its commit hooks: tells a hook that raised after the commit from a
+        # commit that failed
+        transaction.on_commit(self._mark_committed, using=self.alias, robust=True)
         _open_bodies().append(self)
         try:
             self._restore = _bound(self.alias, self.lease.ttl)
@@ -85,7 +94,22 @@ class BodyTransaction:
                 f"the atomic body of {self.lease.key!r} (token {self.lease.token}) was not "
                 "committed: a database error inside its transaction was swallowed"
             )
-        self._end(None)
+        hooks = [entry[1] for entry in getattr(connections[self.alias], "run_on_commit", [])]
+        try:
+            self._end(None)
+        except Exception:
+            if not self.committed:
+                raise
+            # a hook of the body's raised after the commit: Django runs none after it, so
+            # the outbox's sendings of what the body published are run here
+            for hook in hooks:
+                if isinstance(hook, Deferred) and not hook.ran:
+                    _quietly(hook)
+            raise
+        self.committed = True
+
+    def _mark_committed(self) -> None:
+        self.committed = True
 
     def rollback(self) -> None:
         """Roll it back (nothing of it commits); a connection the server ended is closed."""
@@ -167,8 +191,23 @@ def run_body(
                 f"task {task_name}: a database error inside its atomic body was swallowed; "
                 "its writes are rolled back"
             )
-    except BaseException:
+    except Ignore:
+        if lease.released and body.open:
+            # ``replace()``: the replacement's outbox row and the release as REPLACED (the
+            # proof) were written in the body's transaction: they commit with its writes
+            body.commit()
+        else:
+            body.rollback()
+        raise
+    except BaseException as exc:
         body.rollback()
+        if isinstance(exc, DatabaseError) and _session_ended(exc, lease):
+            raise LeaseLost(
+                lease.key,
+                lease.token,
+                "the server ended the atomic body's transaction: it was idle longer than "
+                "the lease's ttl",
+            ) from exc
         raise
     if settled_by_backend:
         return retval
@@ -192,6 +231,32 @@ def run_body(
         )
     body.commit()
     return retval
+
+
+#: what the server says when it ends a session idle in its transaction past the bound:
+#: PostgreSQL's SQLSTATE (``idle_in_transaction_session_timeout``), MariaDB's error number
+#: (``idle_transaction_timeout``)
+_IDLE_ENDED_SQLSTATE = "25P03"
+_IDLE_ENDED_ERRNO = 4031
+
+
+def _session_ended(exc: BaseException, lease: HeldLease) -> bool:
+    """Whether ``exc`` says the body's session was ended under it: by the bound (idle
+    past the ttl: a paused worker), or lost while the grant lapsed with no successor."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "sqlstate", None) == _IDLE_ENDED_SQLSTATE:
+            return True
+        args = getattr(seen, "args", ())
+        if type(seen).__module__.startswith("MySQLdb") and args and args[0] == _IDLE_ENDED_ERRNO:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    try:  # the connection went away: a pause the bound has not named, say
+        return store.expired_unclaimed(lease)
+    except Exception:
+        return False
 
 
 def _bound(alias: str, ttl: float) -> Callable[[], None] | None:

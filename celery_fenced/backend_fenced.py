@@ -11,9 +11,10 @@ from celery import states
 from celery.app.task import Context
 from django.db import DatabaseError, connections, router, transaction
 from django.db.models.functions import Now
+from django.db.transaction import TransactionManagementError
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import atomic, outbox, store, workflow
+from celery_fenced import atomic, context, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import add_meta, carry, state_of
@@ -55,6 +56,12 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         """
         releasing = status in RELEASING_STATES
         body = atomic.body_of(request, lease)
+        if body is not None and releasing and context.atomic_body_lease.get() is lease:
+            raise TransactionManagementError(
+                f"update_state({status!r}) inside the atomic body of {lease.key!r}: a ready "
+                "state would end its transaction before the body does; return or raise "
+                "to end it, or use a state of your own for progress"
+            )
         if body is not None and releasing:
             if status == states.SUCCESS:
                 return self._settle_in_body(body, task_id, result, status, request, lease, then)
@@ -112,9 +119,12 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         except BaseException:
             body.rollback()
             raise
-        body.commit()
-        renewer().unregister(lease)
-        lease.confirm_released()
+        try:
+            body.commit()
+        finally:
+            if body.committed:  # a hook of the body's that raised changes nothing of this
+                renewer().unregister(lease)
+                lease.confirm_released()
         return True
 
     def process_cleanup(self) -> None:

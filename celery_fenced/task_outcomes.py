@@ -15,7 +15,7 @@ from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_fenced import outages, outbox, store
+from celery_fenced import context, outages, outbox, store
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import carry, state_of
@@ -72,7 +72,16 @@ class Outcomes(FencedOptions):
         The replacement takes over the task's place in its workflow (callbacks, chain,
         chord): a stale execution must not send it.
         """
-        with outbox.at_once_in_transaction(self._lease_alias()), self._proven():
+        lease = self.lease
+        # inside an atomic body the replacement is an outbox row of the body's transaction,
+        # committed with its writes and the release below (or rolled back with them)
+        in_body = lease is not None and context.atomic_body_lease.get() is lease
+        at_once = (
+            contextlib.nullcontext()
+            if in_body
+            else outbox.at_once_in_transaction(self._lease_alias())
+        )
+        with at_once, self._proven():
             try:
                 return super().replace(sig)  # type: ignore[misc]
             except Ignore as exc:

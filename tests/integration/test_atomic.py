@@ -319,6 +319,41 @@ def test_atomic_body_paused_after_writing__does_not_stall_the_current_one(
     assert status(lease_db, result.id) == (states.SUCCESS, '"held by B"')
 
 
+def _idle_transactions(alias: str) -> int:
+    """Sessions of the test database idle in an open transaction (not this one)."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state LIKE 'idle in transaction%%' AND pid <> pg_backend_pid()"
+        )
+        (count,) = cursor.fetchone()
+    return int(count)
+
+
+def test_atomic_body_paused_until_the_server_ended_it__retried_not_failed(
+    broker: Broker, lease_db: str
+) -> None:
+    """A writes and is held inside its transaction; its grant lapses with nobody taking
+    over, and the server ends A's session (idle past its ttl). A wakes: its next statement
+    meets the ended session. That is a pause, not the job's failure: the job is retried
+    with its task id, and nothing of A commits."""
+    if connections[lease_db].vendor != "postgresql":
+        # MariaDB shows another session's transaction (innodb_trx) only with the PROCESS
+        # privilege: the test cannot wait for the end of A's; its bound is tested above
+        pytest.skip("waits for the server to end A's session: PostgreSQL's view of it")
+    result = broker.app.send_task("atomic.hold", args=["inv-1"])
+    a = Execution(broker.app, broker.one("atomic.hold"), "A")
+    lease = granted(lease_db, result.id, 1)
+    wait_for(lambda: ("atomic.hold", "inv-1", "A") in RUNS, "A's writes")
+    expire(lease_db, lease)
+    wait_for(lambda: _idle_transactions(lease_db) == 0, "the server ending A's session", 30)
+    a.finish()
+    sent = broker.sent("atomic.hold")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] != states.FAILURE
+    assert report(lease_db) == ("", "")
+
+
 @pytest.mark.parametrize("how", ["fenced_update", "guard"])
 def test_atomic_body_proving_its_token__renewals_go_on_while_it_runs(
     broker: Broker, lease_db: str, how: str

@@ -72,14 +72,6 @@ def _clean(alias: str) -> None:
     assert transaction.get_autocommit(using=alias)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the release as REPLACED runs inside the body's transaction, which the Ignore of "
-        "replace() rolls back; lease.released is already set, so nothing releases it: the"
-        " grant stays until its ttl and the job is not marked completed"
-    ),
-)
 def test_atomic_replace__a_redelivered_copy_does_not_replace_it_again(
     broker: Broker,  # noqa: F811
     body: dict[str, Any],
@@ -105,23 +97,16 @@ def test_atomic_replace__a_redelivered_copy_does_not_replace_it_again(
     assert len(broker.sent("atomic.notify")) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "update_state() with a ready state inside the body is taken for the body's own "
-        "settle (_settle -> _settle_in_body / body.rollback): the body's transaction ends"
-        " mid-body and what it writes after commits in autocommit, unfenced"
-    ),
-)
 @pytest.mark.parametrize("state", [states.SUCCESS, states.FAILURE])
-def test_atomic_stale_update_state_ready__later_writes_do_not_commit(
+def test_atomic_update_state_ready__refused_and_nothing_commits(
     broker: Broker,  # noqa: F811
     body: dict[str, Any],
     lease_db: str,
     state: str,
 ) -> None:
-    """A stale execution sets a ready state of its own mid-body (``update_state``), then
-    writes and returns: nothing of it commits, before or after that call."""
+    """An execution sets a ready state mid-body (``update_state``), then writes and
+    returns: the call raises (a ready state would end the body's transaction early), so
+    nothing of a stale execution or of the current one commits, before or after it."""
 
     def run(task: Any, name: str) -> Any:
         _write(name)
@@ -138,16 +123,10 @@ def test_atomic_stale_update_state_ready__later_writes_do_not_commit(
     granted(lease_db, result.id, 2)
     b.finish()
     a.finish()
-    assert report(lease_db)[0] == "B;B;"
+    assert report(lease_db)[0] == ""
+    assert status(lease_db, result.id)[0] == states.FAILURE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "update_state(SUCCESS) inside the body commits the body's transaction mid-body; "
-        "the writes after it autocommit, even though the body then raises"
-    ),
-)
 def test_atomic_current_update_state_success__later_writes_are_in_its_transaction(
     broker: Broker,  # noqa: F811
     body: dict[str, Any],
@@ -196,14 +175,6 @@ def test_atomic_stale_on_commit_hook__never_runs(
     assert report(lease_db)[0] == "B;"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a body's on_commit hook that raises stops Django's run of the hooks after it: "
-        "the outbox sends of the body's children never run (left to the reclaimer), and "
-        "the tracer reports the job as failed"
-    ),
-)
 def test_atomic_on_commit_hook_raises__the_success_stands_and_the_lease_is_released(
     broker: Broker,  # noqa: F811
     body: dict[str, Any],
