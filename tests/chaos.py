@@ -52,6 +52,7 @@ from typing import Any
 from devtools import services
 from devtools.workers import Worker, wait_for
 
+from . import chaos_beat
 from . import chaos_workload as workload
 from .chaos_workload import GRANTS, Job
 
@@ -84,6 +85,8 @@ class Options:
     sabotage: bool = False
     json_path: Path | None = None
     plot_path: Path | None = None
+    #: real `celery beat` processes, paused and killed too (0: no beat workload)
+    beats: int = 3
 
 
 @dataclass
@@ -343,6 +346,13 @@ class Runner:
         self._restart: threading.Thread | None = None
         self._next_monitor = 0.0
         self._next_reclaim = 0.0
+        self.beats = (
+            chaos_beat.BeatChaos(
+                env, log_dir, options.ttl, random.Random(f"beat{options.seed}"), options.beats
+            )
+            if options.beats
+            else None
+        )
 
     def note(self, message: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
@@ -370,6 +380,8 @@ class Runner:
             self.slots.append(Slot(index, pool, self.start_worker(index, pool)))
         for slot in self.slots:
             slot.worker.wait_ready(timeout=180)
+        if self.beats is not None:
+            self.beats.start()
         self.note(f"{len(self.slots)} workers ready; sending {options.trials} jobs")
         names = [f"job{n:05d}" for n in range(options.trials)]
         ChaosSlot.objects.bulk_create([ChaosSlot(job=name) for name in names])
@@ -401,6 +413,8 @@ class Runner:
                 self._broker_restart = threading.Thread(target=fault, daemon=True)
                 self._broker_restart.start()
             self.housekeeping(now)
+            if self.beats is not None:
+                self.beats.step(now, self.note)
             if (
                 len(self.jobs) == options.trials
                 and now > started + options.trials / options.rate + tail
@@ -490,6 +504,8 @@ class Runner:
         for slot in self.slots:
             if slot.paused_until is not None:
                 self.resume(slot)
+        if self.beats is not None:
+            self.beats.heal()
         if self._restart is not None:
             self._restart.join(timeout=180)
         if self._broker_restart is not None:
@@ -691,6 +707,8 @@ class Runner:
             wait_for(settled, 30, "the re-sent steps")
 
     def stop(self) -> None:
+        if self.beats is not None:
+            self.beats.stop()
         for slot in self.slots:
             slot.worker.stop()
             self.dead[slot.worker.name + "@"] = self._db_time()
@@ -814,7 +832,13 @@ def _lost_in_restart(job: Job, task_id: str, key: str, result: Any, events: Even
     return DB_ERROR_BEFORE_GRANT if all(began <= r <= ended for r in received) else ""
 
 
-def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) -> Report:
+def check(
+    jobs: list[Job],
+    events: Events,
+    options: Options,
+    stopped_at: Any,
+    beats: chaos_beat.BeatChaos | None = None,
+) -> Report:
     """Read the ledger, the results and the lease events; verify the invariants."""
     from django_celery_results.models import TaskResult
 
@@ -832,7 +856,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     key_of_task = {e.task_id: key for key, evs in history.items() for e in evs if e.kind in GRANTS}
     grants = {(key, e.token): e for key, evs in history.items() for e in evs if e.kind in GRANTS}
     entries: dict[str, list[ChaosEntry]] = defaultdict(list)
-    for entry in ChaosEntry.objects.order_by("id"):
+    for entry in ChaosEntry.objects.exclude(via="beat").order_by("id"):  # beat's: (i)
         entries[entry.job].append(entry)
     ids = [i for job in jobs for i in (job.ids or {"task": job.task_id}).values()]
     results = {r.task_id: r for r in TaskResult.objects.filter(task_id__in=ids)}
@@ -988,6 +1012,11 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
         violation(kind, where if kind in ("ended-by-other", "permits") else "", text, cause)
 
+    # 7. the beat workload: each tick sent once (i)
+    beat_rows, beat_problems = beats.check() if beats is not None else ([], [])
+    for text in beat_problems:
+        violation(chaos_beat.SEAM[0], chaos_beat.KEY, text)
+
     kinds = Counter(e.kind for evs in history.values() for e in evs)
     reruns = sum(
         1
@@ -1029,6 +1058,8 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
             ", ".join(f"{n}: {c}" for n, c in sorted(unique_bursts.items())) or "none",
         ),
         *((row, seam_counts[kind]) for kind, row in workload.SEAMS.items()),
+        *beat_rows,
+        (chaos_beat.SEAM[1], len(beat_problems) if beats is not None else "no beats"),
         ("violations", len(violations)),
     ]
     evidence = []
@@ -1120,6 +1151,9 @@ def parse(argv: list[str]) -> Options:
         help="publish without the outbox (fenced_outbox off): shows what it saves",
     )
     parser.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait")
+    parser.add_argument(
+        "--beats", type=int, default=3, help="beat processes, paused and killed (0: none)"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: temp)")
     parser.add_argument("--keep-database", action="store_true", help="do not drop the database")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -1154,6 +1188,7 @@ def parse(argv: list[str]) -> Options:
         sabotage=args.sabotage,
         json_path=args.json,
         plot_path=args.plot,
+        beats=args.beats,
     )
 
 
@@ -1185,7 +1220,7 @@ def main(argv: list[str]) -> int:
             finally:
                 runner.stop()
             stopped_at = runner._db_time()
-            report = check(runner.jobs, runner.events, options, stopped_at)
+            report = check(runner.jobs, runner.events, options, stopped_at, runner.beats)
             elapsed = time.monotonic() - started
             print_report(report, runner.events, elapsed)
             if options.json_path is not None:
