@@ -56,14 +56,21 @@ def check_ticks(runs: Iterable[TickRun], sends: int, interval: float) -> list[st
     return problems
 
 
-def read_runs(alias: str) -> list[TickRun]:
-    """The beat ticks' runs in the ledger of database ``alias``."""
+def read_runs(alias: str, key: str | None = None, name: str | None = None) -> list[TickRun]:
+    """The beat ticks' runs in the ledger of database ``alias``; with ``key`` and ``name``,
+    only those of that entry (its ticks' task ids)."""
+    from celery_fenced.beat.ticks import tick_task_id
     from testproject.demo.models import ChaosEntry
 
-    rows = ChaosEntry.objects.using(alias).filter(via="beat").values_list("job", "token")
-    return [
-        TickRun(dt.datetime.fromisoformat(job.removeprefix("beat:")), token) for job, token in rows
-    ]
+    rows = (
+        ChaosEntry.objects.using(alias).filter(via="beat").values_list("job", "token", "task_id")
+    )
+    runs = []
+    for job, token, task_id in rows.values_list("job", "token", "task_id"):
+        tick = dt.datetime.fromisoformat(job.removeprefix("beat:"))
+        if key is None or name is None or task_id == tick_task_id(key, name, tick):
+            runs.append(TickRun(tick, token))
+    return runs
 
 
 # -- the chaos runner's beat workload ----------------------------------------------------
@@ -226,6 +233,7 @@ class BeatChaos:
         tokens = sorted({run.token for run in runs})
         rows: list[tuple[str, Any]] = [
             (f"beat processes ({self.count}), pauses / kills", f"{self.pauses} / {self.kills}"),
+            ("beat tick worker: exited on its own (started again)", self.restarts),
             (
                 "beat ticks sent / run / leaders' tokens",
                 f"{sends} / {len(runs)} / {len(tokens)}",

@@ -1,10 +1,13 @@
 """Three real `celery beat` processes with the fenced scheduler and a real worker: the
 leader paused past its ttl and resumed, the next one killed, a standby started late —
-every tick of a 1-second entry runs once (on Redis, and on RabbitMQ with PostgreSQL); and
-two beats with ``FencedDatabaseScheduler`` on a django-celery-beat interval entry."""
+every tick of a 1-second entry runs once (on Redis, and on RabbitMQ with PostgreSQL), and
+an every-minute crontab entry's ticks once each, for the minutes the test crosses (at
+most one: a test waiting for several minutes would be too slow); and two beats with
+``FencedDatabaseScheduler`` on a django-celery-beat interval entry."""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from celery_fenced.models import BeatEntry, Lease
 from devtools.beats import Beat
@@ -65,6 +69,11 @@ def leader_pid(alias: str) -> int | None:
     return int(row.owner.split(":")[1])
 
 
+def minutes(since: dt.datetime, until: dt.datetime) -> int:
+    """How many minute boundaries lie in (``since``, ``until``]."""
+    return max(0, int(until.timestamp() // 60) - int(since.timestamp() // 60))
+
+
 def runs(alias: str) -> Counter[str]:
     """How many times each tick's task ran."""
     return Counter(
@@ -76,16 +85,17 @@ def test_beat__each_tick_runs_once_across_pauses_kills_and_late_standbys(
     alias: str, start_worker: Any, start_beat: Callable[[str, dict[str, Any]], Beat]
 ) -> None:
     start_worker("w", extra_args=["--include", "testproject.demo.beat_tasks"])
+    options = {"queue": start_worker.queue}
     schedule = {
-        "tick": {
-            "task": "demo.beat_tick",
-            "schedule": 1.0,
-            "options": {"queue": start_worker.queue},
-        }
+        "tick": {"task": "demo.beat_tick", "schedule": 1.0, "options": options},
+        # every minute: the test sees at most one of its ticks (see the end)
+        "cron": {"task": "demo.beat_tick", "schedule": {"crontab": {}}, "options": options},
     }
+    starting = timezone.now()
     beats = {b.pid: b for b in (start_beat(name, schedule) for name in ("a", "b", "c"))}
     for beat in beats.values():
         beat.wait_started()
+    started = timezone.now()
 
     def ticks_ran(count: int) -> Callable[[], bool]:
         return lambda: len(runs(alias)) >= count
@@ -123,15 +133,22 @@ def test_beat__each_tick_runs_once_across_pauses_kills_and_late_standbys(
 
     for beat in beats.values():
         beat.stop()
+    ended = timezone.now()
     row = BeatEntry.objects.using(alias).get(beat_key=KEY, name="tick")
-    wait_for(lambda: len(runs(alias)) >= row.sends, 15, "every sent tick to run")
+    cron = BeatEntry.objects.using(alias).filter(beat_key=KEY, name="cron").first()
+    cron_sends = cron.sends if cron is not None else 0
+    sends = row.sends + cron_sends
+    wait_for(lambda: len(runs(alias)) >= sends, 15, "every sent tick to run")
     counts = runs(alias)
-    print(f"ticks sent {row.sends}, ran {len(counts)}, runs {sum(counts.values())}")
-    assert check_ticks(read_runs(alias), row.sends, interval=1.0) == []
-    tokens = set(
-        ChaosEntry.objects.using(alias).filter(via="beat").values_list("token", flat=True)
-    )
+    print(f"ticks sent {row.sends} + {cron_sends}, ran {len(counts)}, runs {sum(counts.values())}")
+    assert check_ticks(read_runs(alias, KEY, "tick"), row.sends, interval=1.0) == []
+    tokens = {run.token for run in read_runs(alias, KEY, "tick")}
     assert len(tokens) >= 4  # four leaders sent: one token each
+    # the crontab entry: a minute's tick sent once when the run crossed a minute, by
+    # whichever beat led then (one that fell due in a takeover: by the next leader)
+    assert check_ticks(read_runs(alias, KEY, "cron"), cron_sends, interval=60.0) == []
+    assert minutes(started, ended - dt.timedelta(seconds=3)) <= cron_sends
+    assert cron_sends <= minutes(starting, ended)
 
 
 @pytest.mark.parametrize("alias", ["postgres"], indirect=True)
