@@ -10,8 +10,9 @@ RabbitMQ with as short a ``consumer_timeout``), sends ``--trials`` jobs
 (``tests/chaos_workload.py``: single fenced tasks, each applying one effect to an append-only
 ledger, mixed with chains, chords, ``link``/``link_error`` callbacks, time limits,
 ``track_started``, ``expires`` and two jobs on one key; the tasks are in
-``testproject/demo/chaos_tasks.py``) and meanwhile stops workers (SIGSTOP, for random times
-around the ttl) and resumes them, SIGKILLs workers and starts replacements, restarts
+``testproject/demo/chaos_tasks.py``; with ``--beats`` real `celery beat` processes sending a
+1-second entry, ``tests/chaos_beat.py``) and meanwhile stops workers and beats (SIGSTOP, for
+random times around the ttl) and resumes them, SIGKILLs them and starts replacements, restarts
 PostgreSQL once and hits the broker once: Redis restarted empty (every queued message
 lost); RabbitMQ with every connection closed (``rabbitmqctl close_all_connections``: each
 worker's unacknowledged messages requeued at once while their executions still run, and
