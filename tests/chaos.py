@@ -379,10 +379,12 @@ class Runner:
         for index in range(options.workers):
             pool = "prefork" if index % 2 == 0 else "threads"
             self.slots.append(Slot(index, pool, self.start_worker(index, pool)))
+        if self.beats is not None:
+            self.beats.start()
         for slot in self.slots:
             slot.worker.wait_ready(timeout=180)
         if self.beats is not None:
-            self.beats.start()
+            self.beats.wait_ready()
         self.note(f"{len(self.slots)} workers ready; sending {options.trials} jobs")
         names = [f"job{n:05d}" for n in range(options.trials)]
         ChaosSlot.objects.bulk_create([ChaosSlot(job=name) for name in names])

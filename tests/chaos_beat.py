@@ -143,8 +143,12 @@ class BeatChaos:
         )
 
     def start(self) -> None:
+        """Start the worker and the beats (:meth:`wait_ready` waits for them)."""
         self.worker = self._worker()
         self.slots = [BeatSlot(self._beat(i)) for i in range(self.count)]
+
+    def wait_ready(self) -> None:
+        assert self.worker is not None
         self.worker.wait_ready(timeout=180)
         for slot in self.slots:
             slot.beat.wait_started()
