@@ -12,7 +12,7 @@ and what would be valid.
 | E004 | ``django_celery_results`` missing from ``INSTALLED_APPS`` |
 | E005 | a task module fails to load with a celery-fenced error (a lease-key template) |
 | E006 | the lease database is MariaDB or MySQL and its session time zone is not UTC |
-| E007 | MariaDB or MySQL compares result or group ids by a collation that folds them |
+| E007 | MariaDB or MySQL compares result or group ids, or beat names, by a folding collation |
 | E008 | a lease ttl below :data:`MIN_LEASE_TTL` (setting, ``fenced_tasks`` entry, task) |
 | W001 | results and leases in different databases |
 | W002 | fenced tasks, but the result backend does not fence results |

@@ -13,10 +13,17 @@ from typing import Any
 
 from devtools.workers import ROOT, broker_url, wait_for
 
+#: the fenced schedulers, by name: Celery's ``beat_schedule``, django-celery-beat's models
+SCHEDULERS = {
+    "default": "celery_fenced.beat:FencedScheduler",
+    "database": "celery_fenced.beat:FencedDatabaseScheduler",
+}
+
 
 class Beat:
-    """One `celery -A testproject beat -S celery_fenced.beat:FencedScheduler`, in its own
-    process group; ``schedule`` is its ``beat_schedule`` (JSON: seconds for intervals)."""
+    """One `celery -A testproject beat -S celery_fenced.beat:FencedScheduler` (``scheduler``
+    ``"database"``: ``FencedDatabaseScheduler``), in its own process group; ``schedule`` is
+    its ``beat_schedule`` (JSON: seconds for intervals); ``env`` overrides the environment."""
 
     def __init__(
         self,
@@ -27,18 +34,22 @@ class Beat:
         ttl: float,
         log_dir: Path,
         broker: str | None = None,
+        scheduler: str = "default",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log_path = log_dir / f"{self.name}.log"
+        env = env or {}
         env = {
             **os.environ,
             "FENCED_USE_TEST_DATABASES": "1",
             "FENCED_DB": database if database in ("postgres", "mariadb") else "sqlite",
-            "FENCED_BROKER_URL": broker_url(broker),
+            "FENCED_BROKER_URL": env.get("FENCED_BROKER_URL") or broker_url(broker),
             "FENCED_BEAT_SCHEDULE": json.dumps(schedule),
             "FENCED_BEAT_TTL": str(ttl),
             "DJANGO_SETTINGS_MODULE": "testproject.settings",
             "PYTHONPATH": str(ROOT),
+            **env,
         }
         cmd = [
             sys.executable,
@@ -50,7 +61,7 @@ class Beat:
             "--loglevel",
             "INFO",
             "--scheduler",
-            "celery_fenced.beat:FencedScheduler",
+            SCHEDULERS[scheduler],
             "--schedule",
             str(log_dir / f"{self.name}.schedule"),  # unused by the fenced scheduler
         ]

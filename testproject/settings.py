@@ -199,8 +199,16 @@ if os.environ.get("FENCED_METRICS_PORT"):  # a worker's Prometheus exporter (the
 if os.environ.get("FENCED_DEFAULT_TTL"):
     CELERY_FENCED_DEFAULT_TTL = float(os.environ["FENCED_DEFAULT_TTL"])
 
-# the fenced beat's acceptance tests: a schedule (JSON, seconds for intervals) and a ttl
+# the fenced beat's acceptance tests: a schedule (JSON, seconds for intervals, an object
+# {"crontab": {...}} for a crontab) and a ttl
 if os.environ.get("FENCED_BEAT_SCHEDULE"):
-    CELERY_BEAT_SCHEDULE = json.loads(os.environ["FENCED_BEAT_SCHEDULE"])
+    from celery.schedules import crontab
+
+    CELERY_BEAT_SCHEDULE = {
+        name: {**entry, "schedule": crontab(**entry["schedule"]["crontab"])}
+        if isinstance(entry["schedule"], dict)
+        else entry
+        for name, entry in json.loads(os.environ["FENCED_BEAT_SCHEDULE"]).items()
+    }
 if os.environ.get("FENCED_BEAT_TTL"):
     CELERY_FENCED_BEAT_TTL = float(os.environ["FENCED_BEAT_TTL"])

@@ -10,8 +10,9 @@ RabbitMQ with as short a ``consumer_timeout``), sends ``--trials`` jobs
 (``tests/chaos_workload.py``: single fenced tasks, each applying one effect to an append-only
 ledger, mixed with chains, chords, ``link``/``link_error`` callbacks, time limits,
 ``track_started``, ``expires`` and two jobs on one key; the tasks are in
-``testproject/demo/chaos_tasks.py``) and meanwhile stops workers (SIGSTOP, for random times
-around the ttl) and resumes them, SIGKILLs workers and starts replacements, restarts
+``testproject/demo/chaos_tasks.py``; with ``--beats`` real `celery beat` processes sending a
+1-second entry, ``tests/chaos_beat.py``) and meanwhile stops workers and beats (SIGSTOP, for
+random times around the ttl) and resumes them, SIGKILLs them and starts replacements, restarts
 PostgreSQL once and hits the broker once: Redis restarted empty (every queued message
 lost); RabbitMQ with every connection closed (``rabbitmqctl close_all_connections``: each
 worker's unacknowledged messages requeued at once while their executions still run, and
@@ -52,6 +53,7 @@ from typing import Any
 from devtools import services
 from devtools.workers import Worker, wait_for
 
+from . import chaos_beat
 from . import chaos_workload as workload
 from .chaos_workload import GRANTS, Job
 
@@ -84,6 +86,8 @@ class Options:
     sabotage: bool = False
     json_path: Path | None = None
     plot_path: Path | None = None
+    #: real `celery beat` processes, paused and killed too (0: no beat workload)
+    beats: int = 3
 
 
 @dataclass
@@ -345,6 +349,13 @@ class Runner:
         self._restart: threading.Thread | None = None
         self._next_monitor = 0.0
         self._next_reclaim = 0.0
+        self.beats = (
+            chaos_beat.BeatChaos(
+                env, log_dir, options.ttl, random.Random(f"beat{options.seed}"), options.beats
+            )
+            if options.beats
+            else None
+        )
 
     def note(self, message: str) -> None:
         line = f"[{time.strftime('%H:%M:%S')}] {message}"
@@ -370,8 +381,12 @@ class Runner:
         for index in range(options.workers):
             pool = "prefork" if index % 2 == 0 else "threads"
             self.slots.append(Slot(index, pool, self.start_worker(index, pool)))
+        if self.beats is not None:
+            self.beats.start()
         for slot in self.slots:
             slot.worker.wait_ready(timeout=180)
+        if self.beats is not None:
+            self.beats.wait_ready()
         self.note(f"{len(self.slots)} workers ready; sending {options.trials} jobs")
         names = [f"job{n:05d}" for n in range(options.trials)]
         ChaosSlot.objects.bulk_create([ChaosSlot(job=name) for name in names])
@@ -403,6 +418,8 @@ class Runner:
                 self._broker_restart = threading.Thread(target=fault, daemon=True)
                 self._broker_restart.start()
             self.housekeeping(now)
+            if self.beats is not None:
+                self.beats.step(now, self.note)
             if (
                 len(self.jobs) == options.trials
                 and now > started + options.trials / options.rate + tail
@@ -492,6 +509,8 @@ class Runner:
         for slot in self.slots:
             if slot.paused_until is not None:
                 self.resume(slot)
+        if self.beats is not None:
+            self.beats.heal()
         if self._restart is not None:
             self._restart.join(timeout=180)
         if self._broker_restart is not None:
@@ -694,6 +713,8 @@ class Runner:
             wait_for(settled, 30, "the re-sent steps")
 
     def stop(self) -> None:
+        if self.beats is not None:
+            self.beats.stop()
         for slot in self.slots:
             slot.worker.stop()
             self.dead[slot.worker.name + "@"] = self._db_time()
@@ -845,7 +866,13 @@ def check_atomic_jobs(
     return workload.check_atomic(jobs, stored, entries, applied, runs)
 
 
-def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) -> Report:
+def check(
+    jobs: list[Job],
+    events: Events,
+    options: Options,
+    stopped_at: Any,
+    beats: chaos_beat.BeatChaos | None = None,
+) -> Report:
     """Read the ledger, the results and the lease events; verify the invariants."""
     from django_celery_results.models import TaskResult
 
@@ -863,7 +890,7 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
     key_of_task = {e.task_id: key for key, evs in history.items() for e in evs if e.kind in GRANTS}
     grants = {(key, e.token): e for key, evs in history.items() for e in evs if e.kind in GRANTS}
     entries: dict[str, list[ChaosEntry]] = defaultdict(list)
-    for entry in ChaosEntry.objects.order_by("id"):
+    for entry in ChaosEntry.objects.exclude(via="beat").order_by("id"):  # beat's: (i)
         entries[entry.job].append(entry)
     name_atomic_children(jobs)  # before the results are read: a child's result with them
     ids = [i for job in jobs for i in (job.ids or {"task": job.task_id}).values()]
@@ -1021,6 +1048,11 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
         violation(kind, where if kind in ("ended-by-other", "permits") else "", text, cause)
 
+    # 7. the beat workload: each tick sent once (i)
+    beat_rows, beat_problems = beats.check() if beats is not None else ([], [])
+    for text in beat_problems:
+        violation(chaos_beat.SEAM[0], chaos_beat.KEY, text)
+
     kinds = Counter(e.kind for evs in history.values() for e in evs)
     reruns = sum(
         1
@@ -1066,6 +1098,8 @@ def check(jobs: list[Job], events: Events, options: Options, stopped_at: Any) ->
             "atomic children run again from one message (plain: at least once)",
             workload.atomic_reruns(runs),
         ),
+        *beat_rows,
+        (chaos_beat.SEAM[1], len(beat_problems) if beats is not None else "no beats"),
         ("violations", len(violations)),
     ]
     evidence = []
@@ -1157,6 +1191,9 @@ def parse(argv: list[str]) -> Options:
         help="publish without the outbox (fenced_outbox off): shows what it saves",
     )
     parser.add_argument("--drain-timeout", type=float, default=90.0, help="seconds to wait")
+    parser.add_argument(
+        "--beats", type=int, default=3, help="beat processes, paused and killed (0: none)"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: temp)")
     parser.add_argument("--keep-database", action="store_true", help="do not drop the database")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -1191,6 +1228,7 @@ def parse(argv: list[str]) -> Options:
         sabotage=args.sabotage,
         json_path=args.json,
         plot_path=args.plot,
+        beats=args.beats,
     )
 
 
@@ -1222,7 +1260,7 @@ def main(argv: list[str]) -> int:
             finally:
                 runner.stop()
             stopped_at = runner._db_time()
-            report = check(runner.jobs, runner.events, options, stopped_at)
+            report = check(runner.jobs, runner.events, options, stopped_at, runner.beats)
             elapsed = time.monotonic() - started
             print_report(report, runner.events, elapsed)
             if options.json_path is not None:

@@ -9,12 +9,13 @@ django-celery-beat does, for its admin.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from typing import Any
 
 from celery.beat import ScheduleEntry
 from celery.utils.time import maybe_make_aware
-from django.db import router
+from django.db import DatabaseError, router
 from django_celery_beat.schedulers import DatabaseScheduler
 
 from celery_fenced.beat.scheduler import FencedSchedulerMixin
@@ -24,10 +25,22 @@ class FencedDatabaseScheduler(FencedSchedulerMixin, DatabaseScheduler):  # type:
     """django-celery-beat's ``DatabaseScheduler`` on several hosts: one sends."""
 
     def _continue_from(self, entry: ScheduleEntry, last_tick: dt.datetime) -> None:
+        """Also the ``PeriodicTask``'s ``total_run_count`` as the last leader saved it: a
+        standby's copy was read before that leader's ticks, and saving it on the next
+        tick would set the count back."""
         super()._continue_from(entry, last_tick)
         model = getattr(entry, "model", None)
         if model is not None:
             model.last_run_at = last_tick
+            with contextlib.suppress(DatabaseError):  # the admin's count only: kept as is
+                saved = (
+                    type(model)
+                    ._default_manager.filter(pk=model.pk)
+                    .values_list("total_run_count", flat=True)
+                    .first()
+                )
+                if saved is not None:
+                    model.total_run_count = saved
 
     def _recorded_in_tick(self, entry: ScheduleEntry) -> None:
         """Save the ``PeriodicTask``'s run (``last_run_at``, ``total_run_count``) in the

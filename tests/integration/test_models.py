@@ -116,6 +116,49 @@ def test_task_ids_compare_byte_for_byte(alias: str, one: str, other: str) -> Non
 
 
 @pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
+def test_check_result_ids__names_a_beat_column_given_back_a_folding_collation(
+    settings: Any,
+) -> None:
+    """E007 on the beat's entry names (made binary by 0014): an ``AlterField`` of the
+    column writes it with the table's folding collation; the check names it and the
+    statement that mends it, and says nothing before 0014 is applied."""
+    from django.db import connections
+    from django.db.migrations.recorder import MigrationRecorder
+
+    from celery_fenced.collations import BEAT_MIGRATION, check_result_ids
+    from tests import routers
+
+    routers.TARGET = MARIADB
+    settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
+    connection = connections[MARIADB]
+    assert check_result_ids(databases=[MARIADB]) == []
+    with connection.cursor() as cursor:  # what Django's AlterField writes: no collation
+        cursor.execute("ALTER TABLE celery_fenced_beatentry MODIFY name varchar(200) NOT NULL")
+    recorder = MigrationRecorder(connection)
+    try:
+        errors = check_result_ids(databases=[MARIADB])
+        assert [(e.id, e.obj) for e in errors] == [
+            ("celery_fenced.E007", "celery_fenced_beatentry.name")
+        ]
+        assert "0014_mysql_beat_names" in (errors[0].hint or "")
+        recorder.record_unapplied(*BEAT_MIGRATION)
+        assert check_result_ids(databases=[MARIADB]) == []  # migrate must run to apply it
+        recorder.record_applied(*BEAT_MIGRATION)
+        with connection.cursor() as cursor:  # the hint's statement
+            cursor.execute((errors[0].hint or "").split(": ", 1)[1].rstrip(";"))
+        assert check_result_ids(databases=[MARIADB]) == []
+    finally:
+        if BEAT_MIGRATION not in recorder.applied_migrations():
+            recorder.record_applied(*BEAT_MIGRATION)
+        routers.TARGET = "default"
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "ALTER TABLE celery_fenced_beatentry MODIFY name varchar(200) "
+                "CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL"
+            )
+
+
+@pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 def test_check_result_ids__names_a_result_column_given_back_a_folding_collation(
     settings: Any,
 ) -> None:
