@@ -16,7 +16,6 @@ from celery import current_app
 from celery.app import app_or_default
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
-from django.db import connections
 
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.validators import (
@@ -25,6 +24,7 @@ from celery_fenced.validators import (
     did_you_mean,
     validate_beat_key,
     validate_bool,
+    validate_database,
     validate_events,
     validate_limit,
     validate_metrics_port,
@@ -337,7 +337,7 @@ def _load(app: Any) -> FencedSettings:
     on_busy = validate_on_busy(raw["fenced_on_busy"], "fenced_on_busy")
     database = raw["fenced_database"]
     if database is not None:
-        _validate_database(database)
+        validate_database(database)
     settings = FencedSettings(
         tasks=tasks,
         default_ttl=default_ttl,
@@ -396,11 +396,3 @@ def _load(app: Any) -> FencedSettings:
             atomic=options.get("atomic"),
         )
     return settings
-
-
-def _validate_database(alias: object) -> None:
-    if not isinstance(alias, str) or alias not in connections.settings:
-        known = ", ".join(sorted(connections.settings))
-        raise FencedConfigurationError(
-            f"fenced_database must name a database alias in DATABASES ({known}), got {alias!r}"
-        )

@@ -6,6 +6,8 @@ import difflib
 import math
 from typing import Any
 
+from django.db import connections
+
 from celery_fenced import extras
 from celery_fenced.exceptions import FencedConfigurationError
 
@@ -170,3 +172,12 @@ def validate_beat_key(value: object, name: str) -> str | None:
             f"got {value!r}"
         )
     return value
+
+
+def validate_database(alias: object) -> None:
+    """``fenced_database``: an alias of ``DATABASES``."""
+    if not isinstance(alias, str) or alias not in connections.settings:
+        known = ", ".join(sorted(connections.settings))
+        raise FencedConfigurationError(
+            f"fenced_database must name a database alias in DATABASES ({known}), got {alias!r}"
+        )
