@@ -91,21 +91,26 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
         of the message (a busy retry sent while it held the key, a redelivery) is a
         completed duplicate and does not run. A revoke's or an expiry's REVOKED is not:
         a copy sent again still runs, and the outcome it records supersedes this one."""
-        drive()
         task_id = getattr(request, "id", None)
         task = self.app.tasks.get(getattr(request, "task", None) or "")
         if not task_id or not isinstance(task, FencedExecution):
+            drive()
             return
-        store.forget_pending(store.database_alias(), task_id)
         ending = self._job_ended(task_id, state, request)
-        if ending is not None:  # the grant it kept while the outcome was written
+        if ending is not None:  # the grant it kept while deciding: ended before the outcome
             process = state_of(request).process
-            store.settle_elsewhere(
+            # in the outcome's transaction, before the outcome: another execution that took
+            # the kept grant over since the decision (it had expired) owns the job's outcome,
+            # and this one writes and sends nothing (its errbacks would go out twice)
+            if not store.settle_elsewhere(
                 task_id,
                 process=process.owner_prefix if process is not None else None,
                 by=f"worker:{state.lower()}",
                 ending=ending,
-            )
+            ):
+                return
+        drive()
+        store.forget_pending(store.database_alias(), task_id)
 
     def _job_ended(
         self, task_id: str, state: str, request: Context | None

@@ -86,6 +86,17 @@ def settle_elsewhere(
             if not release:
                 continue
             ended = _release_ending(alias, dialect, key, by, task_id, token, ending)
+            if ended is None and _taken_over_by_the_task(alias, task_id, process):
+                # taken over between the read of its grants and the release
+                logger.info(
+                    "task %s ended (%s) in %s, whose grant another execution of it took "
+                    "over: nothing recorded",
+                    task_id,
+                    by,
+                    process,
+                    extra={"task_id": task_id},
+                )
+                return False
             if ended is not None:
                 ending = None  # marked with the release
                 logger.info(

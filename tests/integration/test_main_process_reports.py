@@ -323,3 +323,33 @@ def test_report_of_a_pool_process__another_worker_start_with_its_pid_keeps_its_g
     assert ended is not None
     assert ended.owner_prefix == owners.process_prefix("w@seams", pid)
     assert owner.split(":")[1] != owners.boot()
+
+
+def test_hard_time_limit__grant_taken_over_after_the_report_decided__nothing_recorded(
+    broker: Broker, lease_db: str, pool_process: subprocess.Popen[bytes], monkeypatch: Any
+) -> None:
+    """A's report decides to record the FAILURE (its pool process's grant expired, nobody
+    had taken it over), and B's delivery takes that expired grant over before the outcome
+    is written: A's report writes and sends nothing — B's execution owns the job's outcome
+    (found by the chaos runner's invariant e: the errback was sent by both)."""
+    from celery_fenced.backends import FencedDatabaseBackend
+
+    decide = FencedDatabaseBackend._may_record_elsewhere
+    a = pool_process.pid
+    acquire("job", ttl=30, task_id="t1", owner=pool_owner(a), using=lease_db)
+    Lease.objects.using(lease_db).filter(key="job").update(expires_at=F("acquired_at"))
+
+    def then_taken_over(self: Any, task_id: str, state: str, request: Any) -> bool:
+        may = decide(self, task_id, state, request)
+        acquire("job", ttl=30, task_id="t1", owner=pool_owner(a + 1), using=lease_db)
+        return may
+
+    monkeypatch.setattr(FencedDatabaseBackend, "_may_record_elsewhere", then_taken_over)
+    accepted(broker, "t1", a).on_timeout(False, 1.0)
+    pool_process.kill()
+    pool_process.wait()
+    wait_for(lambda: not reports_waiting(), "the report")
+    assert broker.sent("seams.errback") == []
+    assert not TaskResult.objects.using(lease_db).filter(task_id="t1").exists()
+    lease = Lease.objects.using(lease_db).get(key="job")
+    assert (lease.token, lease.released_at) == (2, None)  # B's grant stands
