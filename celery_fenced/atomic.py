@@ -57,6 +57,17 @@ _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
 
+class RetryAfterBody(BaseException):
+    """``self.retry()`` raised inside an atomic body: the retry is sent once the body's
+    transaction has rolled back, outside it (a ``BaseException``: a body's ``except
+    Exception`` does not swallow it)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.retry_args = args
+        self.retry_kwargs = kwargs
+
+
 class BodyTransaction:
     """The open transaction of one atomic body on its lease's database (this thread's)."""
 
@@ -169,12 +180,14 @@ def run_body(
     kwargs: dict[str, Any],
     *,
     settled_by_backend: bool,
+    retry: Callable[..., Any],
 ) -> Any:
     """Run ``call(*args, **kwargs)`` inside a transaction on the lease's database.
 
     ``settled_by_backend``: the fenced result backend commits it with the result and the
     release (the transaction stays open past the return); otherwise the token is proven
-    and the transaction committed here.
+    and the transaction committed here. ``retry``: the task's ``retry``, for a retry the
+    body raised (sent after the rollback).
     """
     close_leaked()  # never run a body inside another's forgotten transaction
     body = BodyTransaction(lease)
@@ -191,6 +204,9 @@ def run_body(
                 f"task {task_name}: a database error inside its atomic body was swallowed; "
                 "its writes are rolled back"
             )
+    except RetryAfterBody as later:
+        body.rollback()
+        raise retry(*later.retry_args, **later.retry_kwargs) from None
     except Ignore:
         if lease.released and body.open:
             # ``replace()``: the replacement's outbox row and the release as REPLACED (the

@@ -165,6 +165,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
             args,
             kwargs,
             settled_by_backend=not request.called_directly and self._backend_is_fenced(),
+            retry=self.retry,
         )
 
     def _backend_is_fenced(self) -> bool:

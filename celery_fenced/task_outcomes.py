@@ -15,7 +15,7 @@ from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_fenced import context, outages, outbox, store
+from celery_fenced import atomic, context, outages, outbox, store
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import carry, state_of
@@ -48,6 +48,12 @@ class Outcomes(FencedOptions):
         execution sends none (it gets :class:`StaleToken`). ``Retry`` is raised once the
         guard has committed: the outbox sends the message on that commit.
         """
+        lease = self.lease
+        raised = kwargs.get("throw", True) if len(args) <= 3 else args[3]
+        if raised and lease is not None and context.atomic_body_lease.get() is lease:
+            # inside an atomic body: sent once the body's transaction has rolled back
+            # (its connection may be the reason: a database that went away)
+            raise atomic.RetryAfterBody(args, kwargs)
         throw = kwargs.pop("throw", True)
         if len(args) > 3:  # retry(args, kwargs, exc, throw, ...)
             throw, args = args[3], (*args[:3], False, *args[4:])

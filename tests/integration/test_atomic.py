@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, signals, states
-from django.db import connections, transaction
+from django.db import InterfaceError, OperationalError, connections, router, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Concat
 
@@ -47,6 +47,7 @@ FENCED_TASKS = {
     "atomic.charge": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.hold": {"ttl": 2, "key": "charge:{name}", "atomic": True},
     "atomic.proven": {"ttl": 2, "key": "charge:{name}", "atomic": True},
+    "atomic.cut": {"ttl": 30, "key": "charge:{name}", "atomic": True},
 }
 #: what a body does once its gate opens, by thread name: "raise", "retry"
 ACTIONS: dict[str, str] = {}
@@ -116,6 +117,27 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
             assert time.monotonic() < deadline
             Report.objects.filter(name=name).exists()
         return f"proven by {thread}"
+
+    @app.task(
+        name="atomic.cut",
+        bind=True,
+        shared=False,
+        autoretry_for=(OperationalError, InterfaceError),
+        retry_kwargs={"countdown": 60, "max_retries": 3},
+    )
+    def cut(self: Any, name: str) -> str:
+        """Writes, then its database session is ended under it (an outage, a restart);
+        Celery's ``autoretry_for`` asks for a retry from inside the body."""
+        thread = threading.current_thread().name
+        write(name, thread)
+        alias = router.db_for_write(Report)
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s) FROM (SELECT 1) AS one", [pid])
+        write(name, thread)  # the session is gone: OperationalError
+        return f"cut by {thread}"
 
     @app.task(name="atomic.notify", shared=False)
     def notify(name: str, by: str) -> None:
@@ -317,6 +339,24 @@ def test_atomic_body_paused_after_writing__does_not_stall_the_current_one(
     a.finish()
     assert report(lease_db) == ("B;", "B woke")
     assert status(lease_db, result.id) == (states.SUCCESS, '"held by B"')
+
+
+def test_atomic_body_whose_session_dies__autoretry_sends_its_retry_after_the_rollback(
+    broker: Broker, lease_db: str
+) -> None:
+    """The database ends the body's session mid-body (a restart, an outage): the body's
+    writes are gone, and the retry ``autoretry_for`` asks for is sent once the body's
+    transaction is rolled back, outside it — not tried on the dead connection, which
+    ended the job as a FAILURE."""
+    if connections[lease_db].vendor != "postgresql":
+        pytest.skip("ends its own session with pg_terminate_backend")
+    result = broker.app.send_task("atomic.cut", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.cut"))
+    sent = broker.sent("atomic.cut")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    assert report(lease_db) == ("", "")
+    assert Lease.objects.using(lease_db).get(key="charge:inv-1").released_at is not None
 
 
 def _idle_transactions(alias: str) -> int:
