@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +83,14 @@ def _queue(variant: Variant) -> str:
     return f"bench-{variant.name}"
 
 
-def _start_workers(ctx: Context) -> dict[str, Any]:
+def _start_workers(ctx: Context, variants: Sequence[Variant] = VARIANTS) -> dict[str, Any]:
+    """One worker per variant, on the variant's queue, ready: name -> ``Worker``."""
     from devtools.workers import Worker
 
     env = {**worker_env(ctx), "FENCED_PG_USER": WORKER_ROLE}
     workers: dict[str, Any] = {}
     try:
-        for variant in VARIANTS:
+        for variant in variants:
             workers[variant.name] = Worker(
                 f"bench-{variant.name}",
                 database="postgres",

@@ -103,7 +103,6 @@ def run(ctx: Context) -> list[Line]:
         from celery_fenced.models import Lease
 
         Lease.objects.filter(key__startswith="bench-unique:").delete()
-        app.pool.force_close_all()
         connections.close_all()
     ctx.data["publish"] = {"count": count, "rounds": rounds, "seconds_per_publish": timings}
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import e2e, locks, permits, publish, renewal, report, scale
+from benchmarks import atomic, e2e, locks, permits, publish, renewal, report, scale
 from benchmarks.common import WORKER_ROLE, Context, Line, Profile, repo_root, worker_env
 
 PG_OPTIONS = "-c shared_preload_libraries=pg_stat_statements"
@@ -35,6 +35,7 @@ ROWS: dict[str, tuple[str, Callable[[Context], list[Line]]]] = {
     "renewal": ("row 5: renewal load", renewal.run),
     "publish": ("row 6: publishing through the outbox", publish.run),
     "permits": ("row 7: permits", permits.run),
+    "atomic": ("row 8: atomic bodies against fenced_update", atomic.run),
 }
 
 

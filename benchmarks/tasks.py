@@ -7,7 +7,13 @@
 - ``noop_unique``: ``noop_fenced`` queued once per job (``lease_unique="until_started"``);
 - ``noop_redis_lock``: a plain task under a Redis lock per job, the way celery-singleton and
   python-redis-lock do it: ``SET key token NX PX ttl`` before the body, a compare-and-delete
-  script after it.
+  script after it;
+- ``noop_atomic``: ``noop_fenced`` with an atomic body (``lease_atomic``);
+- ``write_atomic``: an atomic body doing one plain ``QuerySet.update()`` of its job's row;
+- ``write_fenced``: the same write through ``fenced_update`` in a fenced (non-atomic) body.
+
+The rows written are ``Report`` rows named ``bench-write-atomic:{job}`` and
+``bench-write-fenced:{job}`` (the runner creates them): each raises if its row is missing.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 from celery import Task, shared_task
 
-from celery_fenced import FencedTask
+from celery_fenced import FencedTask, current_lease, fenced_update
 
 LOCK_TTL_MS = 30_000
 
@@ -99,3 +105,51 @@ def noop_unique(self: Any, job: int) -> None:
 @shared_task(name="bench.noop_redis_lock", base=RedisLockTask)
 def noop_redis_lock(job: int) -> None:
     """Do nothing, under a Redis lock on the job."""
+
+
+@shared_task(
+    name="bench.noop_atomic",
+    base=FencedTask,
+    lease_key="bench-atomic:{job}",
+    lease_ttl=30,
+    lease_atomic=True,
+    bind=True,
+)
+def noop_atomic(self: Any, job: int) -> None:
+    """Do nothing, under the lease on ``bench-atomic:{job}``, in one transaction."""
+
+
+@shared_task(
+    name="bench.write_atomic",
+    base=FencedTask,
+    lease_key="bench-write-atomic:{job}",
+    lease_ttl=30,
+    lease_atomic=True,
+    bind=True,
+)
+def write_atomic(self: Any, job: int) -> None:
+    """Update the job's row with a plain ``update()``: fenced by the body's transaction."""
+    from testproject.demo.models import Report
+
+    name = f"bench-write-atomic:{job}"
+    if Report.objects.filter(name=name).update(built_by=self.request.id) != 1:
+        raise LookupError(f"no Report row {name!r}")
+
+
+@shared_task(
+    name="bench.write_fenced",
+    base=FencedTask,
+    lease_key="bench-write-fenced:{job}",
+    lease_ttl=30,
+    bind=True,
+)
+def write_fenced(self: Any, job: int) -> None:
+    """Update the job's row with ``fenced_update`` under the lease's token."""
+    from testproject.demo.models import Report
+
+    lease = current_lease()
+    assert lease is not None
+    name = f"bench-write-fenced:{job}"
+    rows = Report.objects.filter(name=name)
+    if fenced_update(rows, token=lease.token, built_by=self.request.id) != 1:
+        raise LookupError(f"no Report row {name!r}")

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ("1 end to end", "2 round trips", "3 lock cycles", "4 scale", "5 renewal", "6 publish")
+ROWS = (
+    "1 end to end",
+    "2 round trips",
+    "3 lock cycles",
+    "4 scale",
+    "5 renewal",
+    "6 publish",
+    "8 atomic",
+)
 
 
 def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
@@ -30,6 +38,27 @@ def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
     assert cpu_lines
     assert all(line.ratio is None and line.shown_ratio == "" for line in cpu_lines)
     assert svg(lines).startswith("<svg")
+
+
+def test_benchmarks__atomic_row_divides_atomic_by_fenced_update() -> None:
+    from benchmarks.atomic import VARIANTS, _lines
+
+    times = {v.name: [1.0, 1.0] for v in VARIANTS}
+    times["atomic-write"] = [3.0, 3.0]
+    cpu = {v.name: [0.01, 0.01] for v in VARIANTS}
+    counts = {v.name: {"total": 2.0, "data": 2.0, "control": 0.0} for v in VARIANTS}
+    counts["atomic-noop"] = {"total": 8.0, "data": 4.0, "control": 4.0}
+    lines = _lines(10, times, cpu, counts)
+    assert {line.row for line in lines} == {"8 atomic"}
+    assert all(line.kind is None and line.met == "" for line in lines)  # no target set
+    by_case = {line.case.split(": ", 1)[-1]: line for line in lines if "connections" in line.case}
+    assert by_case["atomic no-op vs fenced no-op"].ratio == 1.0
+    write = by_case["one write: atomic body's plain update() vs fenced_update"]
+    assert write.ratio == 3.0
+    noop_statements = next(
+        x for x in lines if x.case.startswith("SQL statements per task: atomic")
+    )
+    assert noop_statements.shown_ratio == "+6.0"
 
 
 @pytest.mark.workers
