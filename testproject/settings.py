@@ -14,6 +14,7 @@ family) from ``FENCED_MARIADB_*`` when ``FENCED_MARIADB_PORT`` is set.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -32,10 +33,13 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_celery_results",
-    "django_celery_beat",
     "celery_fenced",
     "testproject.demo",
 ]
+# django-celery-beat is optional (the fenced beat's database scheduler): the tests install
+# it, the demo's `pip install -e '.[metrics]'` does not
+if importlib.util.find_spec("django_celery_beat") is not None:
+    INSTALLED_APPS.insert(INSTALLED_APPS.index("celery_fenced"), "django_celery_beat")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
