@@ -97,20 +97,26 @@ class MainProcessReports(DatabaseBackend):  # type: ignore[misc]
             drive()
             return
         ending = self._job_ended(task_id, state, request)
-        if ending is not None:  # the grant it kept while deciding: ended before the outcome
-            process = state_of(request).process
-            # in the outcome's transaction, before the outcome: another execution that took
-            # the kept grant over since the decision (it had expired) owns the job's outcome,
-            # and this one writes and sends nothing (its errbacks would go out twice)
-            if not store.settle_elsewhere(
+        process = state_of(request).process
+        prefix = process.owner_prefix if process is not None else None
+        # the grant the process kept while the report decided, locked for the outcome's
+        # transaction: another execution that took it over since (it had expired) owns the
+        # job's outcome, and this one writes and sends nothing (its errbacks would go out
+        # twice); none can take it over while the outcome is written
+        if ending is not None and prefix and not store.keep_for_outcome(task_id, prefix):
+            logger.info(
+                "%s of task %s not recorded: its grant was taken over since the report decided",
+                state,
                 task_id,
-                process=process.owner_prefix if process is not None else None,
-                by=f"worker:{state.lower()}",
-                ending=ending,
-            ):
-                return
+                extra={"task_id": task_id},
+            )
+            return
         drive()
         store.forget_pending(store.database_alias(), task_id)
+        if ending is not None:  # the grant it kept while the outcome was written
+            store.settle_elsewhere(
+                task_id, process=prefix, by=f"worker:{state.lower()}", ending=ending
+            )
 
     def _job_ended(
         self, task_id: str, state: str, request: Context | None

@@ -80,7 +80,7 @@ from celery_fenced.store.reclaiming import (
     record_resent,
     unclaim,
 )
-from celery_fenced.store.settling import process_holds, settle_elsewhere
+from celery_fenced.store.settling import keep_for_outcome, process_holds, settle_elsewhere
 from celery_fenced.store.types import REPLACED, RESULT_COLUMNS, Claim, Delivery, Pending
 from celery_fenced.store.validation import (
     database_alias,
@@ -136,6 +136,7 @@ __all__ = [
     "granted_again",
     "in_guard",
     "in_guard_of_token",
+    "keep_for_outcome",
     "kept_connection",
     "lock_for_result",
     "mark_ended",

@@ -24,6 +24,19 @@ def process_holds(task_id: str, process: str, *, using: str | None = None) -> bo
     return any(owner.startswith(process) for _key, _token, owner, _live in grants)
 
 
+def keep_for_outcome(task_id: str, process: str, *, using: str | None = None) -> bool:
+    """Lock the pool process ``process``'s unreleased grants of ``task_id`` until the end of
+    the caller's transaction; whether it still holds one. A takeover since (the grant had
+    expired) makes it False; none can happen while the lock is held."""
+    rows = (
+        Lease._default_manager.using(database_alias(using))
+        .select_for_update()
+        .filter(task_id=task_id, released_at__isnull=True, owner__startswith=process)
+        .values_list("pk", flat=True)
+    )
+    return bool(list(rows))
+
+
 def settle_elsewhere(
     task_id: str,
     *,
