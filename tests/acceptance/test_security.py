@@ -254,7 +254,7 @@ def sql_sources(path: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None,
 STATEMENTS = PACKAGE / "store" / "dialects" / "statements"
 CONVERTED = [
     PACKAGE / "store" / "dialects" / f"{name}.py"
-    for name in ("sql", "sqlite", "postgresql", "mysql")
+    for name in ("sql", "sqlite", "postgresql", "mysql", "orm")
 ]
 MODULES = sorted(
     p

@@ -13,7 +13,7 @@ from celery_fenced.models import Lease
 from celery_fenced.store.dialects.row_locked import RowLockedDialect
 from celery_fenced.store.dialects.row_locking import RowLocking
 from celery_fenced.store.dialects.rows import aware
-from celery_fenced.store.dialects.statements.common import SELECT_CURRENT_TIMESTAMP
+from celery_fenced.store.dialects.statements import common as sql
 from celery_fenced.store.dialects.tables import task_result_model
 from celery_fenced.store.types import (
     Renewal,
@@ -42,7 +42,7 @@ class ORMDialect(RowLockedDialect):
 
     def now(self) -> dt.datetime:
         with self.connection.cursor() as cursor:
-            cursor.execute(SELECT_CURRENT_TIMESTAMP)
+            cursor.execute(sql.SELECT_CURRENT_TIMESTAMP)
             row = cursor.fetchone()
         return aware(row[0])
 
