@@ -154,10 +154,16 @@ def _held_until_started(app: Any, name: str) -> bool:
 
 def _end_row(alias: str, task_id: str, done: str, job: str = "") -> None:
     """End ``task_id``'s outbox row once the job (named ``job`` in the log) is ``done``
-    ("sent", "started"); the database away, it stands and the reclaimer may send the job
-    again: at least once."""
+    ("sent", "started"), riding out a database that is away for a moment (a restart):
+    a row left standing is a job the reclaimer sends again. Away for longer, it stands
+    and the job may be sent again: at least once."""
     try:
-        store.forget_pending(alias, task_id)
+        outages.attempt_through(
+            lambda: store.forget_pending(alias, task_id),
+            [alias],
+            f"task {job or task_id}: {done}, its outbox row not ended yet",
+            extra={"task_id": task_id},
+        )
     except DatabaseError:
         logger.warning(
             "task %s: %s, but its outbox row could not be ended; the reclaimer may send it again",

@@ -21,7 +21,7 @@ from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.lifecycle import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
-from tests.conftest import WITH_MARIADB, side_connection
+from tests.conftest import WITH_MARIADB, side_connection, terminate_connection
 from tests.integration.test_seams import (
     RUNS,
     Broker,
@@ -548,6 +548,26 @@ def test_plain_callback__lost_by_the_broker__sent_again_once_by_the_reclaimer(
     assert resend_pending(app, using=lease_db) == []
     assert len(broker.sent("seams.sink")) == 2
     assert [run[1] for run in RUNS if run[0] == "seams.sink"] == [("l@1",)]  # ran once
+
+
+def test_plain_callback__database_restarted_as_a_worker_starts_it__not_sent_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """The lease database restarts just as a worker starts the plain callback (seen in
+    the chaos runner: a beat tick's job ran twice): ending its row waits the restart out,
+    so the reclaimer does not send a job that already ran."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    app = broker.app
+    app.signature("seams.step", ("r",)).apply_async(link=app.signature("seams.sink"))
+    deliver(app, broker.one("seams.step"))
+    message = broker.one("seams.sink")
+    terminate_connection(lease_db)  # the server restarted under this process's connection
+    deliver(app, message)
+    assert pending(lease_db) == []
+    make_due(lease_db)
+    assert resend_pending(app, using=lease_db) == []
+    assert [run[1] for run in RUNS if run[0] == "seams.sink"] == [("r@1",)]
 
 
 def test_plain_callback__revoked_at_the_worker__its_row_ends(
