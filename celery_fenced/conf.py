@@ -87,6 +87,9 @@ class FencedSettings:
     #: a worker grants and stores successes on PostgreSQL over a connection of its own,
     #: kept open between tasks (:mod:`celery_fenced.store.owned`); False: Django's
     keep_connection: bool = True
+    #: the statements on that kept connection are prepared on the server (psycopg's
+    #: server-side binding and prepared statements); False: sent as plain queries
+    prepare: bool = True
     #: record fenced jobs at publish and send them on commit (the outbox)
     outbox: bool = True
     #: seconds past its ETA (or its last sending) before a pending job is sent again
@@ -355,6 +358,7 @@ def _load(app: Any) -> FencedSettings:
         ),
         events=validate_events(raw["fenced_events"], "fenced_events"),
         keep_connection=validate_bool(raw["fenced_keep_connection"], "fenced_keep_connection"),
+        prepare=validate_bool(raw["fenced_prepare"], "fenced_prepare"),
         outbox=validate_bool(raw["fenced_outbox"], "fenced_outbox"),
         outbox_resend_after=validate_positive_seconds(
             raw["fenced_outbox_resend_after"], "fenced_outbox_resend_after"

@@ -17,6 +17,11 @@ own (same ``DATABASES`` entry, same ``connection_created`` signal), and closed:
 - when the database is away (:mod:`celery_fenced.outages` closes it with Django's);
 - at worker (process) shutdown, and when its thread has ended.
 
+Its statements are prepared on the server (setting ``fenced_prepare``, on by default):
+psycopg 3's server-side binding, each statement prepared the second time it runs, so the
+grant and the success are parsed and planned once per connection, not once per task.
+Django's own connections are left as ``DATABASES`` makes them.
+
 Only outside any transaction of the caller's: the grant and the success are then
 statements of their own on any connection.
 """
@@ -35,6 +40,11 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import conf
 
+try:
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3 as _psycopg3
+except ImportError:  # pragma: no cover - neither psycopg nor psycopg2 installed
+    _psycopg3 = False
+
 _local = threading.local()
 _lock = threading.Lock()
 #: every connection kept in this process: (pid, its thread, the connection). A forked
@@ -43,10 +53,16 @@ _lock = threading.Lock()
 _kept: list[tuple[int, weakref.ref[threading.Thread], BaseDatabaseWrapper]] = []
 #: when each kept connection was last handed out (monotonic seconds)
 _used: weakref.WeakKeyDictionary[BaseDatabaseWrapper, float] = weakref.WeakKeyDictionary()
+#: whether each kept connection was made to prepare its statements (``fenced_prepare``)
+_prepares: weakref.WeakKeyDictionary[BaseDatabaseWrapper, bool] = weakref.WeakKeyDictionary()
 #: a connection idle longer than this is replaced, not trusted: a firewall or NAT may
 #: have dropped it without a word (no end of stream to see), and a statement sent on it
 #: would hang for the kernel's retransmissions (about 15 minutes)
 IDLE_REPLACED_AFTER = 60.0
+#: with ``fenced_prepare``, a statement is prepared on the server the second time it
+#: runs on a kept connection (psycopg's ``prepare_threshold``): the store's statements
+#: are few and run on every task, a one-off is never prepared
+PREPARE_THRESHOLD = 1
 
 
 def connection_for(alias: str, request: Any) -> BaseDatabaseWrapper | None:
@@ -70,19 +86,41 @@ def connection_for(alias: str, request: Any) -> BaseDatabaseWrapper | None:
         django_connection.vendor != "postgresql"
         or django_connection.in_atomic_block
         or django_connection.settings_dict.get("OPTIONS", {}).get("pool")
-        or not conf.load().keep_connection
     ):
+        return None
+    settings = conf.load()
+    if not settings.keep_connection:
         return None
     mine = _this_thread()
     wrapper = mine.get(alias)
+    if wrapper is not None and _prepares.get(wrapper) != settings.prepare:
+        _forget(wrapper)  # made for the other ``fenced_prepare``
+        wrapper = None
     if wrapper is None:
-        wrapper = connections.create_connection(alias)
+        wrapper = _create(alias, prepare=settings.prepare)
+        _prepares[wrapper] = settings.prepare
         mine[alias] = wrapper
         _remember(wrapper)
     elif wrapper.connection is not None and _spent(wrapper):
         _close(wrapper)
     _used[wrapper] = time.monotonic()
     return wrapper
+
+
+def _create(alias: str, *, prepare: bool) -> BaseDatabaseWrapper:
+    """A new connection to ``alias``, as Django makes its own; ``prepare``: with psycopg's
+    server-side binding, preparing each statement the second time it runs (see
+    :data:`PREPARE_THRESHOLD`), unless ``OPTIONS`` chooses for itself."""
+    if not prepare or not _psycopg3:
+        return connections.create_connection(alias)
+    settings_dict = connections.settings[alias]
+    options = {
+        "server_side_binding": True,
+        "prepare_threshold": PREPARE_THRESHOLD,
+        **settings_dict.get("OPTIONS", {}),
+    }
+    wrapper_class = type(connections[alias])
+    return wrapper_class({**settings_dict, "OPTIONS": options}, alias)
 
 
 def close(alias: str) -> None:
@@ -119,6 +157,13 @@ def _remember(wrapper: BaseDatabaseWrapper) -> None:
         _kept.append((pid, weakref.ref(threading.current_thread()), wrapper))
     for _pid, _thread, old in ended:
         _close(old)
+
+
+def _forget(wrapper: BaseDatabaseWrapper) -> None:
+    """Close ``wrapper`` and no longer keep it."""
+    with _lock:
+        _kept[:] = [entry for entry in _kept if entry[2] is not wrapper]
+    _close(wrapper)
 
 
 def _alive(thread: weakref.ref[threading.Thread]) -> bool:

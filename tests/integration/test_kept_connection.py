@@ -263,3 +263,32 @@ def test_idle_too_long__replaced_not_trusted(
     task_id = run_one(broker, "c")
     assert status(pg, task_id) == (states.SUCCESS, '"c@1"')
     assert eventually(lambda: session_ended(pg, pid))
+
+
+def prepared_statements(connection: Any) -> list[str]:
+    """The statements prepared in ``connection``'s session (PostgreSQL's own view)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [str(row[0]) for row in cursor.fetchall()]
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_prepare__the_stores_statements_prepared_on_the_kept_session_unless_off(
+    broker: Broker, pg: str, settings: Any, prepare: bool
+) -> None:
+    """With ``fenced_prepare`` (the default) the grant and the success are prepared on
+    the server from their second run on; off, nothing is prepared (PgBouncer in
+    transaction mode without prepared-statement support)."""
+    store.close_kept_connection(pg)
+    settings.CELERY_FENCED_PREPARE = prepare
+    for value in "abc":
+        task_id = run_one(broker, value)
+        assert status(pg, task_id) == (states.SUCCESS, f'"{value}@1"')
+    kept = store.kept_connection(pg, DELIVERED)
+    assert kept is not None
+    prepared = prepared_statements(kept)
+    if prepare:
+        assert any("celery_fenced_lease" in statement for statement in prepared)
+    else:
+        assert prepared == []
+    store.close_kept_connection(pg)

@@ -117,7 +117,7 @@ def test_check_result_database__results_elsewhere_is_w001(settings: Any) -> None
     [
         ("CELERY_FENCED_TASK", "CELERY_FENCED_TASKS", "the tasks it names run unfenced"),
         ("CELERY_FENCED_DEFUALT_TTL", "CELERY_FENCED_DEFAULT_TTL", "the default applies"),
-        ("CELERY_FENCED_RENEW", "CELERY_FENCED_RENEW_INTERVAL", "the default applies"),
+        ("CELERY_FENCED_RENEW_INTERVL", "CELERY_FENCED_RENEW_INTERVAL", "the default applies"),
     ],
 )
 def test_check_unknown_settings__django_name_with_did_you_mean(
