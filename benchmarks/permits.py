@@ -91,6 +91,9 @@ def run(ctx: Context) -> list[Line]:
             baseline=f"{median(measured[theirs]):,.0f} cycles/s",
             ratio=median(ratios),
             spread=f"{min(ratios):.2f}-{max(ratios):.2f}",
+            target="≥ 0.70x",
+            kind="min",
+            limit=0.70,
         )
 
     return [
