@@ -343,7 +343,7 @@ def _lines(
             measured=statements(fenced),
             baseline=statements(plain),
             ratio=fenced["total"] - plain["total"],
-            ratio_text=f"+{fenced['total'] - plain['total']:.1f}",
+            ratio_text=f"{fenced['total'] - plain['total']:+.1f}",
             target="≤ +1",
             kind="max",
             limit=1.0,
@@ -357,7 +357,7 @@ def _lines(
             measured=statements(every),
             baseline=statements(plain),
             ratio=every["total"] - plain["total"],
-            ratio_text=f"+{every['total'] - plain['total']:.1f}",
+            ratio_text=f"{every['total'] - plain['total']:+.1f}",
             plot=False,
         )
     )
@@ -368,7 +368,7 @@ def _lines(
             measured=f"{fenced['data']:.1f}",
             baseline=f"{plain['data']:.1f}",
             ratio=fenced["data"] - plain["data"],
-            ratio_text=f"+{fenced['data'] - plain['data']:.1f}",
+            ratio_text=f"{fenced['data'] - plain['data']:+.1f}",
             plot=False,
         )
     )
