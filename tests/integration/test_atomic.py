@@ -25,7 +25,7 @@ from django.db.models.functions import Concat
 from celery_fenced import atomic, current_lease, fenced_update, hooks
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from testproject.demo.models import Report
-from tests.conftest import WITH_MARIADB
+from tests.conftest import WITH_MARIADB, side_connection
 from tests.integration.test_seams import (
     GATES,
     RUNS,
@@ -131,11 +131,21 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         thread = threading.current_thread().name
         write(name, thread)
         alias = router.db_for_write(Report)
-        with connections[alias].cursor() as cursor:
-            cursor.execute("SELECT pg_backend_pid()")
-            (pid,) = cursor.fetchone()
-        with connections[alias].cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s) FROM (SELECT 1) AS one", [pid])
+        if connections[alias].vendor == "mysql":
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT CONNECTION_ID()")
+                (session,) = cursor.fetchone()
+            admin = side_connection(alias)
+            try:
+                admin.cursor().execute("KILL %s", [session])
+            finally:
+                admin.close()
+        else:
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                (pid,) = cursor.fetchone()
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT pg_terminate_backend(%s) FROM (SELECT 1) AS one", [pid])
         write(name, thread)  # the session is gone: OperationalError
         return f"cut by {thread}"
 
@@ -348,8 +358,8 @@ def test_atomic_body_whose_session_dies__autoretry_sends_its_retry_after_the_rol
     writes are gone, and the retry ``autoretry_for`` asks for is sent once the body's
     transaction is rolled back, outside it — not tried on the dead connection, which
     ended the job as a FAILURE."""
-    if connections[lease_db].vendor != "postgresql":
-        pytest.skip("ends its own session with pg_terminate_backend")
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
     result = broker.app.send_task("atomic.cut", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.cut"))
     sent = broker.sent("atomic.cut")
