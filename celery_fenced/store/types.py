@@ -199,10 +199,13 @@ class Renewal:
 
 @dataclass(frozen=True)
 class Deduplicated:
-    """A ``lease_unique`` publish refused: a copy of its key stands (``standing``, its task
-    id). Its ``deduplicated`` event is written, by the statement that refused it where
-    the database can; ``token`` and ``owner``: the key's current token (None before any
-    grant) and owner."""
+    """A ``lease_unique`` publish refused, its ``deduplicated`` event written.
+
+    A copy of its key stands (``standing``, its task id); the event is written by the
+    statement that refused it where the database can (PostgreSQL), else in its
+    transaction. ``token`` and ``owner``: the key's current token (None before any
+    grant) and owner.
+    """
 
     standing: str
     token: int | None
