@@ -337,7 +337,8 @@ def _deduplicated(
     """A ``lease_unique`` publish refused (its ``deduplicated`` event written by the
     statement that refused it): the copy that stands is the caller's result."""
     standing = refused.standing
-    logger.info(
+    # DEBUG: the event's own record (``celery_fenced.events``, INFO) says it already
+    logger.debug(
         "task %s: a copy of key %r is already %s (%s): not queued again (lease_unique=%s)",
         task.name,
         pending.key,
