@@ -263,8 +263,8 @@ def publish(
         f"could not record task {task.name}[{task_id}] in the outbox",
         extra={"task_id": task_id},
     )
-    if standing != task_id:
-        return _deduplicated(task, alias, pending, standing)
+    if isinstance(standing, store.Deduplicated):
+        return _deduplicated(task, pending, standing)
 
     # remembered while it waits: a result handle of the job, waited for in this thread
     # before the commit, raises UncommittedJob rather than wait for its timeout
@@ -332,13 +332,13 @@ def _row(
 
 
 def _deduplicated(
-    task: Publisher, alias: str, pending: store.Pending, standing: str
+    task: Publisher, pending: store.Pending, refused: store.Deduplicated
 ) -> AsyncResult[Any]:
-    """A ``lease_unique`` publish refused: the copy that stands is the caller's result."""
-    token, owner = store.record_deduplicated(
-        alias, pending.key, task.name, standing, pending.task_id
-    )
-    logger.info(
+    """A ``lease_unique`` publish refused (its ``deduplicated`` event written by the
+    statement that refused it): the copy that stands is the caller's result."""
+    standing = refused.standing
+    # DEBUG: the event's own record (``celery_fenced.events``, INFO) says it already
+    logger.debug(
         "task %s: a copy of key %r is already %s (%s): not queued again (lease_unique=%s)",
         task.name,
         pending.key,
@@ -351,8 +351,8 @@ def _deduplicated(
         signals.lease_deduplicated,
         Lease,
         key=pending.key,
-        token=token,
-        owner=owner,
+        token=refused.token,
+        owner=refused.owner,
         task_id=standing,
         task_name=pending.task_name,
         refused_task_id=pending.task_id,

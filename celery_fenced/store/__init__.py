@@ -64,7 +64,6 @@ from celery_fenced.store.outbox import (
     mark_ended,
     mark_unsent,
     pending_rows,
-    record_deduplicated,
     record_pending,
     unclaim_due,
 )
@@ -81,7 +80,14 @@ from celery_fenced.store.reclaiming import (
     unclaim,
 )
 from celery_fenced.store.settling import keep_for_outcome, process_holds, settle_elsewhere
-from celery_fenced.store.types import REPLACED, RESULT_COLUMNS, Claim, Delivery, Pending
+from celery_fenced.store.types import (
+    REPLACED,
+    RESULT_COLUMNS,
+    Claim,
+    Deduplicated,
+    Delivery,
+    Pending,
+)
 from celery_fenced.store.validation import (
     database_alias,
     default_owner,
@@ -97,6 +103,7 @@ __all__ = [
     "BeatHolder",
     "BeatState",
     "Claim",
+    "Deduplicated",
     "Delivery",
     "Due",
     "HeldLease",
@@ -145,7 +152,6 @@ __all__ = [
     "process_holds",
     "prove_current",
     "prove_for_result",
-    "record_deduplicated",
     "record_duplicate",
     "record_pending",
     "record_resent",

@@ -15,7 +15,7 @@ from django.db.models.functions import Coalesce, Greatest, Now
 
 from celery_fenced.models import Completion, PendingJob
 from celery_fenced.store import dialects
-from celery_fenced.store.types import Delivery, Pending
+from celery_fenced.store.types import Deduplicated, Delivery, Pending
 from celery_fenced.tables import tables_required
 
 
@@ -34,14 +34,15 @@ class Due:
     plain: bool = False
 
 
-def record_pending(alias: str, pending: Pending) -> str:
-    """Insert (or, for the same task id, replace) the pending row of a published job;
-    return the task id of the copy that stands: the job's own, or — for a
-    ``lease_unique`` job whose key already has a copy queued (or running, with
-    ``until_done``) — that copy's, and nothing is written.
+def record_pending(alias: str, pending: Pending) -> str | Deduplicated:
+    """Insert (or, for the same task id, replace) the pending row of a published job and
+    return its task id — or, for a ``lease_unique`` job whose key already has a copy
+    queued (or running, with ``until_done``), nothing but the ``deduplicated`` event is
+    written, and the refusal (that copy's task id) is returned.
 
-    One statement where the database can (PostgreSQL, SQLite), in the caller's
-    transaction when one is open on ``alias``.
+    One statement where the database can (PostgreSQL: the refusal and its event too;
+    SQLite, MariaDB: a plain row), in the caller's transaction when one is open on
+    ``alias``.
     """
     with tables_required(alias):
         dialect = dialects.for_alias(alias)
@@ -49,13 +50,6 @@ def record_pending(alias: str, pending: Pending) -> str:
             return dialect.record_unique_pending(pending)
         dialect.record_pending(pending)
         return pending.task_id
-
-
-def record_deduplicated(
-    alias: str, key: str, task_name: str, standing: str, refused: str
-) -> tuple[int | None, str]:
-    """Record the ``deduplicated`` event of a refused publish (see the dialects)."""
-    return dialects.for_alias(alias).record_deduplicated(key, task_name, standing, refused)
 
 
 def mark_unsent(alias: str, task_id: str) -> None:

@@ -198,6 +198,21 @@ class Renewal:
 
 
 @dataclass(frozen=True)
+class Deduplicated:
+    """A ``lease_unique`` publish refused, its ``deduplicated`` event written.
+
+    A copy of its key stands (``standing``, its task id); the event is written by the
+    statement that refused it where the database can (PostgreSQL), else in its
+    transaction. ``token`` and ``owner``: the key's current token (None before any
+    grant) and owner.
+    """
+
+    standing: str
+    token: int | None
+    owner: str
+
+
+@dataclass(frozen=True)
 class Pending:
     """What a publish records: the job and when it is due to be sent again."""
 

@@ -15,6 +15,7 @@ import pytest
 from celery import states
 from django.db import connections, transaction
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 from kombu.exceptions import OperationalError as BrokerDown
 
 from celery_fenced import FencedTask, acquire, reclaim
@@ -102,6 +103,15 @@ def test_outside_a_transaction__recorded_then_sent_at_once(broker: Broker, lease
     assert row.eta is not None
     # due fenced_outbox_resend_after (300 s) past the ETA, by the database's clock
     assert row.resend_at - row.published_at == dt.timedelta(seconds=400)
+
+
+def test_outside_a_transaction__its_row_is_one_statement(broker: Broker, lease_db: str) -> None:
+    task = broker.app.tasks["seams.keyed"]
+    task.apply_async((1,))  # the tables' check, once per process
+    with CaptureQueriesContext(connections[lease_db]) as captured:
+        task.apply_async((2,))
+    assert [q["sql"].split()[0] for q in captured.captured_queries] == ["INSERT"]
+    assert [row.key for row in pending(lease_db)] == ["report:1", "report:2"]
 
 
 def test_the_grant_ends_the_pending_row(broker: Broker, lease_db: str) -> None:

@@ -14,6 +14,7 @@ import pytest
 from celery import chain, chord, states
 from django.db import connections, transaction
 from django.db.models.functions import Now
+from django.test.utils import CaptureQueriesContext
 
 from celery_fenced import FencedTask, signals
 from celery_fenced.conf import load
@@ -75,6 +76,28 @@ def test_copies_while_one_waits__refused_with_its_id(
     other = publish(broker, 8)
     assert other != first
     assert len(broker.sent("seams.keyed")) == 2
+
+
+#: statements of a refused copy, its event included (MariaDB: the portable transaction)
+REFUSAL_STATEMENTS = {"postgresql": 1, "sqlite": 2}
+
+
+def test_a_refused_copy__its_event_written_by_the_refusing_statements(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    with CaptureQueriesContext(connections[lease_db]) as captured:
+        first = publish(broker, 7)
+    if connections[lease_db].vendor in REFUSAL_STATEMENTS:
+        assert len(captured.captured_queries) == 1  # the key free: its row, one insert
+    assert publish(broker, 7) == first  # the key's lease row made by the first refusal
+    with CaptureQueriesContext(connections[lease_db]) as captured:
+        assert publish(broker, 7) == first
+    vendor = connections[lease_db].vendor
+    if vendor in REFUSAL_STATEMENTS:
+        assert len(captured.captured_queries) == REFUSAL_STATEMENTS[vendor]
+    events = deduplicated(lease_db)
+    assert [e.task_id for e in events] == [first, first]
+    assert events[1].detail["task_name"] == "seams.keyed"
 
 
 def test_after_the_copy_started_or_ended__a_new_call_queues(

@@ -19,7 +19,7 @@ from celery_fenced.models import Lease
 from celery_fenced.store.dialects import permits
 from celery_fenced.store.dialects.bookkeeping import Claims, Events, GrantReads
 from celery_fenced.store.dialects.pending import PendingRows
-from celery_fenced.store.types import Claim, Pending
+from celery_fenced.store.types import Claim, Deduplicated, Pending
 
 
 class DialectBase(abc.ABC):
@@ -67,19 +67,25 @@ class DialectBase(abc.ABC):
         """See :meth:`.PendingRows.record`."""
         self.pending.record(pending)
 
-    def record_unique_pending(self, pending: Pending) -> str:
-        """See :meth:`.PendingRows.record_unique`."""
-        return self.pending.record_unique(pending)
+    def record_unique_pending(self, pending: Pending) -> str | Deduplicated:
+        """See :meth:`_record_unique_portably`."""
+        return self._record_unique_portably(pending)
+
+    def _record_unique_portably(self, pending: Pending) -> str | Deduplicated:
+        """:meth:`.PendingRows.record_unique`; refused, the ``deduplicated`` event is
+        written in the same transaction (:meth:`.Events.add_deduplicated`)."""
+
+        def refused(standing: str) -> Deduplicated:
+            token, owner = self.events.add_deduplicated(
+                pending.key, pending.task_name, standing, pending.task_id
+            )
+            return Deduplicated(standing, token, owner)
+
+        return self.pending.record_unique(pending, refused)
 
     def delete_ended_copies(self) -> int:
         """See :meth:`.PendingRows.delete_ended_copies`."""
         return self.pending.delete_ended_copies()
-
-    def record_deduplicated(
-        self, key: str, task_name: str, standing: str, refused: str
-    ) -> tuple[int | None, str]:
-        """See :meth:`.Events.record_deduplicated`."""
-        return self.events.record_deduplicated(key, task_name, standing, refused)
 
     def task_grants(self, task_id: str) -> list[tuple[str, int, str, bool]]:
         """See :meth:`.GrantReads.task_grants`."""

@@ -104,6 +104,29 @@ class Events:
             )
         return lease.token or None, lease.owner
 
+    def add_deduplicated(
+        self, key: str, task_name: str, standing: str, refused: str
+    ) -> tuple[int | None, str]:
+        """:meth:`record_deduplicated` inside a transaction that has written already (on
+        SQLite, a transaction that reads before it writes cannot always take the write
+        lock): the key's lease row read first, created only when missing; the event's
+        time the database's, in the insert."""
+        leases = Lease._default_manager.using(self.alias)
+        found = leases.filter(key=key).values_list("pk", "token", "owner").first()
+        if found is None:
+            return self.record_deduplicated(key, task_name, standing, refused)
+        lease_id, token, owner = found
+        LeaseEvent._default_manager.using(self.alias).create(
+            lease_id=lease_id,
+            kind=Kind.DEDUPLICATED,
+            token=token or None,
+            task_id=standing,
+            owner="",
+            at=Now(),
+            detail={"refused_task_id": refused, "task_name": task_name},
+        )
+        return token or None, owner
+
 
 class GrantReads:
     """Reads of the grants held on the database ``alias``, by its clock."""

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 from celery_fenced.store.types import (
     Claim,
     Completed,
+    Deduplicated,
     Delivery,
     Ending,
     Grant,
@@ -135,19 +136,15 @@ class Dialect(Protocol):
     def record_pending(self, pending: Pending) -> None:
         """Write (or, for the same task id, start afresh) the pending row of a published job."""
 
-    def record_unique_pending(self, pending: Pending) -> str:
-        """Record a ``lease_unique`` job unless a copy of its key stands; whose copy stands.
+    def record_unique_pending(self, pending: Pending) -> str | Deduplicated:
+        """Record a ``lease_unique`` job unless a copy of its key stands.
 
-        Returns the task id of the copy that stands (the job's own when it was recorded).
+        Returns the job's task id when it was recorded; refused, the copy that stands,
+        its ``deduplicated`` event written in the same transaction.
         """
 
     def delete_ended_copies(self) -> int:
         """Delete the ``until_done`` rows whose run has ended."""
-
-    def record_deduplicated(
-        self, key: str, task_name: str, standing: str, refused: str
-    ) -> tuple[int | None, str]:
-        """The ``deduplicated`` event of a refused publish; the key's token and owner."""
 
     # -- events and sizes ----------------------------------------------------------------
     def record_event(

@@ -15,9 +15,7 @@ from celery_fenced.store.dialects.row_locked import RowLockedDialect
 from celery_fenced.store.dialects.row_locking import RowLocking
 from celery_fenced.store.dialects.rows import aware
 from celery_fenced.store.dialects.statements import mysql as sql
-from celery_fenced.store.types import (
-    Renewal,
-)
+from celery_fenced.store.types import Pending, Renewal
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -54,6 +52,31 @@ class MySQL(RowLockedDialect):
             cursor.execute(sql.SELECT_NOW)
             row = cursor.fetchone()
         return aware(row[0])
+
+    def record_pending(self, pending: Pending) -> None:
+        """The outbox's row of a published job: one ``INSERT … ON DUPLICATE KEY UPDATE``
+        (a re-publish of the task id, a retry, starts the row afresh; two at once, the
+        second waits for the first's row and replaces it). Its times by the database's
+        clock: ``resend_at`` is the ETA (absolute, or now plus the countdown) plus
+        ``resend_after``."""
+        adapt = self.connection.ops.adapt_datetimefield_value
+        expires, eta, after = pending.expires, pending.eta, pending.resend_after
+        fields = {
+            "task_id": pending.task_id,
+            "task_name": pending.task_name[:255],
+            "key": pending.key,
+            "job": pending.job,
+            "eta_at": adapt(eta) if eta is not None else None,
+            "eta_us": _us(pending.countdown) if eta is None and pending.countdown else None,
+            "expires_at": None if isinstance(expires, int | float) else adapt(expires),
+            "expires_us": _us(expires) if isinstance(expires, int | float) else None,
+            "resend_at": adapt(eta + dt.timedelta(seconds=after)) if eta is not None else None,
+            "resend_us": None if eta is not None else _us((pending.countdown or 0.0) + after),
+            "plain": pending.plain,
+            "nesting": pending.nesting,
+        }
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.RECORD_PENDING, fields)
 
     def _locked_row(self, key: str) -> tuple[Any, ...] | None:
         """The row's lock and the database's time in one ``SELECT … FOR UPDATE``."""
@@ -164,3 +187,8 @@ def repeated(
 
 def _aware_or_none(value: dt.datetime | None) -> dt.datetime | None:
     return None if value is None else aware(value)
+
+
+def _us(seconds: float) -> int:
+    """``seconds`` in whole microseconds, as ``INTERVAL … MICROSECOND`` takes them."""
+    return round(seconds * 1_000_000)

@@ -16,7 +16,15 @@ from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from celery_fenced.models import Lease, PendingJob, ReclaimState
-from celery_fenced.store.types import Completed, Displaced, Grant, GrantRequest, Holder, Pending
+from celery_fenced.store.types import (
+    Completed,
+    Deduplicated,
+    Displaced,
+    Grant,
+    GrantRequest,
+    Holder,
+    Pending,
+)
 
 #: what a grant comes to
 Outcome = Grant | Holder | Completed
@@ -75,9 +83,12 @@ class PendingRows:
             "nesting": pending.nesting,
         }
 
-    def record_unique(self, pending: Pending) -> str:
+    def record_unique(
+        self, pending: Pending, refused: Callable[[str], Deduplicated]
+    ) -> str | Deduplicated:
         """The row of a ``lease_unique`` job, unless a copy of its key stands: then
-        nothing is written and that copy's task id is returned (else the job's own).
+        nothing is written but what ``refused(its task id)`` writes, in the same
+        transaction, and its result is returned (else the job's own task id).
 
         Decided by the database: the unique ``unique_key`` refuses a second row of the
         key (an insert waits for a concurrent one's transaction), and a row that no
@@ -96,7 +107,7 @@ class PendingRows:
         for _attempt in range(8):
             with transaction.atomic(using=self.alias):
                 # the same job again (its retry, a re-sent step): its row keeps the key,
-                # or takes it if free; a write first (SQLite: see Events.record_deduplicated)
+                # or takes it if free; a write first (SQLite: see Events.add_deduplicated)
                 try:
                     with transaction.atomic(using=self.alias):
                         if rows.filter(task_id=task_id).update(**values, unique_key=key):
@@ -117,7 +128,7 @@ class PendingRows:
                     found = list(rows.filter(unique_key=key).values_list("task_id", flat=True)[:1])
                 if found:
                     if not pending.same_job:
-                        return str(found[0])
+                        return refused(str(found[0]))
                     self.record(pending)  # a retry: recorded, without the key
                     return task_id
             # the standing copy ended between the refusal and the read: decide again

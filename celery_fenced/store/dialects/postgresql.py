@@ -18,6 +18,7 @@ from celery_fenced.store.types import (
     RESULT_COLUMNS,
     Claim,
     Completed,
+    Deduplicated,
     Ending,
     Grant,
     GrantRequest,
@@ -125,52 +126,42 @@ class PostgreSQL(SQLDialect):
         )
         return _grant(rows[0]) if rows else None
 
-    def record_unique_pending(self, pending: Pending) -> str:
-        """:meth:`.PendingRows.record_unique` without a lock on the copy
+    def record_unique_pending(self, pending: Pending) -> str | Deduplicated:
+        """:meth:`.PendingRows.record_unique` in one statement, without a lock on the copy
         that stands: the insert does nothing on a conflict (``ON CONFLICT DO NOTHING``
         locks no row, so a refused call in a transaction of its own never holds up the
-        standing copy's grant); refused, a read of that copy tells whether it still
-        stands; an ended copy's row is deleted by a conditional ``DELETE`` and the insert
-        tried again. The recorded copy's key gets its lease row (token 0, never granted)
-        in the same statement, before any worker can grant it, so a refused call only
-        adds an event to it. A retry's publish, and a conflict on the task id (a row of
-        the same job recorded without the key), take the portable path."""
+        standing copy's grant); refused, the same statement reads that copy and, if it
+        still stands, writes the ``deduplicated`` event. An ended copy's row is deleted
+        by a conditional ``DELETE`` and the insert tried again. The recorded copy's key
+        gets its lease row (token 0, never granted) in the same statement, before any
+        worker can grant it, so a refused call only adds an event to it. A retry's
+        publish, and a conflict on the task id (a row of the same job recorded without
+        the key), take the portable path."""
         if pending.same_job:
-            return self.pending.record_unique(pending)
-        fields = self._pending_fields(pending, unique=True)
+            return self._record_unique_portably(pending)
+        fields = {
+            **self._pending_fields(pending, unique=True),
+            "full_task_name": pending.task_name,
+        }
         mode = "until_done" if pending.unique == "until_done" else "until_started"
         for _attempt in range(8):
-            rows = self._fetch(sql.RECORD_UNIQUE_PENDING, fields)
-            if rows:
-                return str(rows[0][0])
-            standing = self._fetch(sql.STANDING_COPY[mode], {"key": pending.key})
-            if not standing:
+            rows = self._fetch(sql.RECORD_UNIQUE_PENDING[mode], fields)
+            if not rows:
                 break  # a conflict on the task id: the same job's row, without the key
-            task_id, is_ended = standing[0]
+            recorded, task_id, is_ended, token, owner = rows[0]
+            if recorded or task_id == pending.task_id:
+                return str(task_id)  # recorded (or this very job, recorded before)
             if not is_ended:
-                return str(task_id)  # refused (or this very job, recorded before)
+                if owner is None:  # the key's row is being created, not yet visible
+                    return Deduplicated(
+                        str(task_id),
+                        *self.events.record_deduplicated(
+                            pending.key, pending.task_name, str(task_id), pending.task_id
+                        ),
+                    )
+                return Deduplicated(str(task_id), int(token) or None, str(owner))
             self._fetch(sql.DELETE_ENDED_COPY[mode], {"key": pending.key})
-        return self.pending.record_unique(pending)
-
-    def record_deduplicated(
-        self, key: str, task_name: str, standing: str, refused: str
-    ) -> tuple[int | None, str]:
-        """The ``deduplicated`` event in one statement, the key's row created (token 0:
-        never granted) when its first copy has not started yet."""
-        rows = self._fetch(
-            sql.DEDUPLICATED,
-            {
-                "key": key,
-                "task_name": task_name[:255],
-                "full_task_name": task_name,
-                "standing": standing,
-                "refused": refused,
-            },
-        )
-        if not rows:  # the key's row is being created by a transaction not yet visible
-            return self.events.record_deduplicated(key, task_name, standing, refused)
-        token, owner = rows[0]
-        return (int(token) or None), str(owner)
+        return self._record_unique_portably(pending)
 
     def _grant_permit(self, request: GrantRequest) -> Grant | Holder | Completed:
         """A free permit of the key in one statement, its event and the end of the job's

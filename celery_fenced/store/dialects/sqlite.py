@@ -15,11 +15,13 @@ from celery_fenced.store.dialects.statements import sqlite as sql
 from celery_fenced.store.types import (
     Claim,
     Completed,
+    Deduplicated,
     Displaced,
     Ending,
     Grant,
     GrantRequest,
     Holder,
+    Pending,
 )
 
 Kind = LeaseEvent.Kind
@@ -34,6 +36,29 @@ class SQLite(SQLDialect):
 
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
         super().__init__(alias, connection, sql, ttl_param=_seconds_text)
+
+    def record_unique_pending(self, pending: Pending) -> str | Deduplicated:
+        """:meth:`.PendingRows.record_unique` in one statement when the key is free (an
+        insert that does nothing on a conflict), and in two when a copy stands: the
+        ``deduplicated`` event inserted from that copy's pending row and its key's lease
+        row, if the copy still stands. Anything else — a retry's publish, an ended copy
+        to take over, a key without its lease row yet (its first refusal), a conflict on
+        the task id — takes the portable path, which decides it again."""
+        if not pending.same_job:
+            fields = self._pending_fields(pending, unique=True)
+            rows = self._fetch(sql.RECORD_UNIQUE_PENDING, fields)
+            if rows:
+                return str(rows[0][0])
+            mode = "until_done" if pending.unique == "until_done" else "until_started"
+            detail = {"refused_task_id": pending.task_id, "task_name": pending.task_name}
+            rows = self._fetch(
+                sql.DEDUPLICATED[mode],
+                {"key": pending.key, "task_id": pending.task_id, "detail": json.dumps(detail)},
+            )
+            if rows:
+                standing, token, owner = rows[0]
+                return Deduplicated(str(standing), token, str(owner))
+        return self._record_unique_portably(pending)
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
         """A permit's grant (:mod:`.permits`) or the key's (:meth:`_grant`) and the end of

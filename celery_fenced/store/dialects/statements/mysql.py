@@ -25,6 +25,27 @@ if TYPE_CHECKING:
 # The database's clock.
 SELECT_NOW: LiteralString = "SELECT CURRENT_TIMESTAMP(6)"
 
+# -- name: record_pending --
+# The outbox's row of a published job, started afresh on a re-publish of the task id: its
+# ETA, expiry and resend time given (``*_at``) or relative to now (``*_us``
+# microseconds; NULL: none).
+RECORD_PENDING: LiteralString = """INSERT INTO celery_fenced_pendingjob
+      (task_id, task_name, `key`, job, published_at, eta, expires_at, resend_at, sends,
+       unsent, abandoned_at, abandoned_reason, unique_key, unique_until, started_token,
+       plain, nesting)
+    VALUES (%(task_id)s, %(task_name)s, %(key)s, %(job)s, CURRENT_TIMESTAMP(6),
+        COALESCE(%(eta_at)s, CURRENT_TIMESTAMP(6) + INTERVAL %(eta_us)s MICROSECOND),
+        COALESCE(%(expires_at)s,
+                 CURRENT_TIMESTAMP(6) + INTERVAL %(expires_us)s MICROSECOND),
+        COALESCE(%(resend_at)s, CURRENT_TIMESTAMP(6) + INTERVAL %(resend_us)s MICROSECOND),
+        0, FALSE, NULL, '', NULL, '', NULL, %(plain)s, %(nesting)s)
+    ON DUPLICATE KEY UPDATE task_name = VALUES(task_name), `key` = VALUES(`key`),
+        job = VALUES(job), published_at = VALUES(published_at), eta = VALUES(eta),
+        expires_at = VALUES(expires_at), resend_at = VALUES(resend_at), sends = 0,
+        unsent = FALSE, abandoned_at = NULL, abandoned_reason = '', unique_key = NULL,
+        unique_until = '', started_token = NULL, plain = VALUES(plain),
+        nesting = VALUES(nesting)"""
+
 # -- name: locked_row --
 # The key's row locked, with the database's time.
 LOCKED_ROW: LiteralString = """SELECT id, token, released_at, expires_at, CURRENT_TIMESTAMP(6)

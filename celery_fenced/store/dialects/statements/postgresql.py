@@ -694,38 +694,19 @@ _NEVER_GRANTED_TAIL: LiteralString = """, 0, '', '', %(task_name)s, statement_ti
                statement_timestamp(), statement_timestamp(), statement_timestamp(), '',
                NULL, 0, '', NULL, '', '', 0"""
 
-# -- name: deduplicated --
-# The ``deduplicated`` event of ``%(refused)s``, ``%(standing)s`` standing; the key's row
-# created (token 0: never granted) when its first copy has not started yet.
-DEDUPLICATED: LiteralString = (
-    """WITH made AS ("""
-    + _NEVER_GRANTED_HEAD
-    + "%(key)s"
-    + _NEVER_GRANTED_TAIL
-    + """
-        ON CONFLICT (key) DO NOTHING
-        RETURNING id, token, owner),
-    row AS (
-        SELECT id, token, owner FROM made
-        UNION ALL
-        SELECT id, token, owner FROM celery_fenced_lease
-        WHERE key = %(key)s AND NOT EXISTS (SELECT 1 FROM made)),
-    ev AS (
-        """
-    + EVENT_INSERT
-    + """
-        SELECT id, 'deduplicated', NULLIF(token, 0), %(standing)s, '',
-               statement_timestamp(),
-               jsonb_build_object('refused_task_id', %(refused)s::text,
-                                  'task_name', %(full_task_name)s::text)
-        FROM row)
-    SELECT token, owner FROM row"""
-)
+_UNTIL_DONE_ENDED: LiteralString = """(p.abandoned_at IS NOT NULL
+        OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
+        OR (p.started_token IS NOT NULL AND EXISTS (
+            SELECT 1 FROM celery_fenced_lease l WHERE l.key = p.key
+            AND (l.token > p.started_token
+                 OR (l.token = p.started_token
+                     AND (l.released_at IS NOT NULL
+                          OR l.expires_at <= statement_timestamp()))))))"""
+_UNTIL_STARTED_ENDED: LiteralString = """(p.abandoned_at IS NOT NULL
+        OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
+        OR p.started_token IS NOT NULL)"""
 
-# -- name: record_unique_pending --
-# A ``lease_unique`` copy's pending row, nothing on any conflict, and its key's lease row
-# (token 0, never granted) in the same statement; the task id if recorded.
-RECORD_UNIQUE_PENDING: LiteralString = (
+_RECORD_UNIQUE_HEAD: LiteralString = (
     """WITH ins AS (
     INSERT INTO celery_fenced_pendingjob """
     + PENDING_COLUMNS
@@ -745,38 +726,61 @@ RECORD_UNIQUE_PENDING: LiteralString = (
     + "key"
     + _NEVER_GRANTED_TAIL
     + """ FROM ins
-             ON CONFLICT (key) DO NOTHING)
-    SELECT task_id FROM ins"""
+             ON CONFLICT (key) DO NOTHING),
+    standing AS (
+        SELECT p.task_id, COALESCE("""
+)
+_RECORD_UNIQUE_TAIL: LiteralString = (
+    """, false) AS ended
+        FROM celery_fenced_pendingjob p
+        WHERE p.unique_key = %(key)s AND NOT EXISTS (SELECT 1 FROM ins)),
+    refused AS (
+        SELECT task_id FROM standing WHERE NOT ended AND task_id <> %(task_id)s),
+    made AS ("""
+    + _NEVER_GRANTED_HEAD
+    + "%(key)s"
+    + _NEVER_GRANTED_TAIL
+    + """ FROM refused
+        ON CONFLICT (key) DO NOTHING
+        RETURNING id, token, owner),
+    row AS (
+        SELECT id, token, owner FROM made
+        UNION ALL
+        SELECT id, token, owner FROM celery_fenced_lease
+        WHERE key = %(key)s AND EXISTS (SELECT 1 FROM refused)
+          AND NOT EXISTS (SELECT 1 FROM made)),
+    ev AS (
+        """
+    + EVENT_INSERT
+    + """
+        SELECT r.id, 'deduplicated', NULLIF(r.token, 0), f.task_id, '',
+               statement_timestamp(),
+               jsonb_build_object('refused_task_id', %(task_id)s::text,
+                                  'task_name', %(full_task_name)s::text)
+        FROM row r, refused f)
+    SELECT true, task_id, NULL::boolean, NULL::bigint, NULL::text FROM ins
+    UNION ALL
+    SELECT false, s.task_id, s.ended, r.token, r.owner
+    FROM standing s LEFT JOIN row r ON true"""
 )
 
-_UNTIL_DONE_ENDED: LiteralString = """(p.abandoned_at IS NOT NULL
-        OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
-        OR (p.started_token IS NOT NULL AND EXISTS (
-            SELECT 1 FROM celery_fenced_lease l WHERE l.key = p.key
-            AND (l.token > p.started_token
-                 OR (l.token = p.started_token
-                     AND (l.released_at IS NOT NULL
-                          OR l.expires_at <= statement_timestamp()))))))"""
-_UNTIL_STARTED_ENDED: LiteralString = """(p.abandoned_at IS NOT NULL
-        OR (p.expires_at <= statement_timestamp() AND p.started_token IS NULL)
-        OR p.started_token IS NOT NULL)"""
-
-# -- name: standing_copy --
-# The pending row of key ``%(key)s``'s standing ``lease_unique`` copy, and whether it has
-# ended: abandoned, expired before it started, or (``until_done``) started under a grant
-# that has ended, (``until_started``) started. Keyed by the ``lease_unique`` mode.
-STANDING_COPY: Mapping[str, LiteralString] = {
-    "until_done": "SELECT task_id, "
-    + _UNTIL_DONE_ENDED
-    + " FROM celery_fenced_pendingjob p WHERE unique_key = %(key)s",
-    "until_started": "SELECT task_id, "
-    + _UNTIL_STARTED_ENDED
-    + " FROM celery_fenced_pendingjob p WHERE unique_key = %(key)s",
+# -- name: record_unique_pending --
+# A ``lease_unique`` copy's pending row, nothing on any conflict, and its key's lease row
+# (token 0, never granted) in the same statement; refused (its key's copy stands), that
+# copy's pending row read and — unless it has ended (abandoned, expired before it
+# started, or (``until_done``) started under a grant that has ended, (``until_started``)
+# started) or is this
+# very job — the ``deduplicated`` event written on the key's lease row (created, token 0,
+# if the standing copy has not started yet). One row: (recorded, task id, ended, the
+# key's token, owner); none on a conflict on the task id alone. Keyed by the mode.
+RECORD_UNIQUE_PENDING: Mapping[str, LiteralString] = {
+    "until_done": _RECORD_UNIQUE_HEAD + _UNTIL_DONE_ENDED + _RECORD_UNIQUE_TAIL,
+    "until_started": _RECORD_UNIQUE_HEAD + _UNTIL_STARTED_ENDED + _RECORD_UNIQUE_TAIL,
 }
 
 # -- name: delete_ended_copy --
 # Delete key ``%(key)s``'s ``lease_unique`` copy's pending row if it has ended (as in
-# ``standing_copy``). Keyed by the ``lease_unique`` mode.
+# ``record_unique_pending``). Keyed by the ``lease_unique`` mode.
 DELETE_ENDED_COPY: Mapping[str, LiteralString] = {
     "until_done": "DELETE FROM celery_fenced_pendingjob p WHERE unique_key = %(key)s AND "
     + _UNTIL_DONE_ENDED

@@ -19,6 +19,8 @@ from celery_fenced.store.dialects.statements.common import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from typing_extensions import LiteralString
 
 # -- fragments: the clock -------------------------------------------------------------------
@@ -54,6 +56,69 @@ RECORD_PENDING: LiteralString = (
         unique_key = NULL, unique_until = '', started_token = NULL, plain = excluded.plain
     RETURNING id"""
 )
+
+# -- name: record_unique_pending --
+# A ``lease_unique`` copy's pending row, nothing on any conflict; the task id if recorded.
+RECORD_UNIQUE_PENDING: LiteralString = (
+    "INSERT INTO celery_fenced_pendingjob "
+    + PENDING_COLUMNS
+    + """
+    VALUES (%(task_id)s, %(task_name)s, %(key)s, %(job)s, """
+    + NOW
+    + """,
+        COALESCE(%(eta_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
+                                      '+' || (%(eta_in)s) || ' seconds')),
+        COALESCE(%(expires_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
+                                          '+' || (%(expires_in)s) || ' seconds')),
+        COALESCE(%(resend_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
+                                         '+' || (%(resend_in)s) || ' seconds')),
+        0, %(unsent)s, NULL, '', %(unique_key)s, %(unique_until)s, NULL, %(plain)s,
+        %(nesting)s)
+    ON CONFLICT DO NOTHING RETURNING task_id"""
+)
+
+# -- fragments: a lease_unique copy that no longer stands (pending row ``p``) ---------------
+_EXPIRED_OR_ABANDONED: LiteralString = (
+    "p.abandoned_at IS NOT NULL OR (p.expires_at <= " + NOW + " AND p.started_token IS NULL)"
+)
+_UNTIL_DONE_ENDED: LiteralString = (
+    "COALESCE("
+    + _EXPIRED_OR_ABANDONED
+    + """
+        OR (p.started_token IS NOT NULL AND EXISTS (
+            SELECT 1 FROM celery_fenced_lease g WHERE g.key = p.key
+            AND (g.token > p.started_token
+                 OR (g.token = p.started_token
+                     AND (g.released_at IS NOT NULL OR g.expires_at <= """
+    + NOW
+    + """))))), 0)"""
+)
+_UNTIL_STARTED_ENDED: LiteralString = (
+    "COALESCE(" + _EXPIRED_OR_ABANDONED + " OR p.started_token IS NOT NULL, 0)"
+)
+_DEDUPLICATED_HEAD: LiteralString = (
+    EVENT_INSERT
+    + """
+    SELECT l.id, 'deduplicated', NULLIF(l.token, 0), p.task_id, '', """
+    + NOW
+    + """, %(detail)s
+    FROM celery_fenced_pendingjob p JOIN celery_fenced_lease l ON l.key = p.unique_key
+    WHERE p.unique_key = %(key)s AND p.task_id <> %(task_id)s AND NOT """
+)
+_DEDUPLICATED_TAIL: LiteralString = """
+    RETURNING task_id, token, (SELECT owner FROM celery_fenced_lease WHERE id = lease_id)"""
+
+# -- name: deduplicated --
+# The ``deduplicated`` event of ``%(task_id)s``, refused: key ``%(key)s``'s copy stands —
+# its pending row has not ended (abandoned, expired before it started, or
+# (``until_done``) started under a grant that has ended, (``until_started``) started) —
+# on the key's lease row; nothing when there is no such copy or no lease row. Returns the
+# standing copy's task id, the key's token (None: never granted) and owner. Keyed by the
+# ``lease_unique`` mode.
+DEDUPLICATED: Mapping[str, LiteralString] = {
+    "until_done": _DEDUPLICATED_HEAD + _UNTIL_DONE_ENDED + _DEDUPLICATED_TAIL,
+    "until_started": _DEDUPLICATED_HEAD + _UNTIL_STARTED_ENDED + _DEDUPLICATED_TAIL,
+}
 
 # -- fragments: a completed duplicate (parameters: digest, retries, window) ------------------
 _COMPLETED: LiteralString = (
