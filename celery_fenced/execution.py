@@ -23,6 +23,7 @@ from celery_fenced.task_outcomes import DATABASE_RETRIES, UNLIMITED_RETRIES, Out
 from celery_fenced.task_publish import Publishing
 
 if TYPE_CHECKING:
+    from celery_fenced import conf
     from celery_fenced.store import HeldLease
 
 #: what an execution fenced out raises (its grant gone, its write refused): an expected
@@ -89,7 +90,9 @@ class FencedExecution(Publishing, Outcomes, Granting):
         request = self.request
         # A token or key in the message is never trusted: only acquisition sets them.
         stamp_grant(request, None, None)
-        carry(request, replace(state_of(request), lease=None))
+        state = state_of(request)
+        if state.lease is not None:
+            carry(request, replace(state, lease=None))
         options = self.fenced_options()
         task_id = request.id or ""
         alias = store.database_alias()
@@ -115,7 +118,7 @@ class FencedExecution(Publishing, Outcomes, Granting):
         renewer().register(lease)
         marker = context.current_lease_var.set(lease)
         try:
-            retval = self._run_body(lease, args, kwargs)
+            retval = self._run_body(lease, options, args, kwargs)
             if not request.called_directly and self._backend_is_fenced():
                 # sent by the backend once it has proven this token current, not by
                 # the tracer before it stores the result
@@ -146,15 +149,22 @@ class FencedExecution(Publishing, Outcomes, Granting):
             if request.called_directly:  # task(...) outside a tracer: nobody else releases
                 self._fenced_release("")
 
-    def _run_body(self, lease: HeldLease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The task's body, run under ``lease``: granted before, settled after (the result
-        backend proves the token with the outcome's write, then releases).
+    def _run_body(
+        self,
+        lease: HeldLease,
+        options: conf.TaskOptions,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The task's body, run under ``lease`` (granted with ``options``): granted before,
+        settled after (the result backend proves the token with the outcome's write, then
+        releases).
 
         An atomic body (``lease_atomic``) runs inside one transaction on the lease's
         database, committed with the proof and the outcome (:mod:`celery_fenced.atomic`).
         """
         call = super().__call__  # type: ignore[misc]
-        if not self.fenced_options().atomic:
+        if not options.atomic:
             return call(*args, **kwargs)
         request = self.request
         return atomic.run_body(

@@ -53,7 +53,13 @@ def check_template(task_name: str, template: str, run: Callable[..., Any] | None
 def named_arguments(
     run: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    signature, var_keyword = _signature(run)
+    """``run``'s arguments by name, defaults included, as ``Signature.bind_partial``
+    gives them (a ``**kwargs`` spread among them); TypeError where it raises."""
+    signature, var_keyword, plain = _signature(run)
+    if plain is not None and len(args) <= len(plain):
+        named = _plain_arguments(plain, args, kwargs)
+        if named is not None:
+            return named
     bound = signature.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
@@ -62,8 +68,37 @@ def named_arguments(
     return named
 
 
-def _signature(run: Callable[..., Any]) -> tuple[inspect.Signature, str | None]:
-    """``run``'s signature and its ``**kwargs`` name, worked out once per function.
+def _plain_arguments(
+    plain: tuple[tuple[str, Any], ...], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """What ``bind_partial`` and ``apply_defaults`` give for a function whose every
+    parameter is positional-or-keyword (``plain``: each one's name and default), without
+    their cost on every execution; None when ``kwargs`` names a parameter given by
+    position or none at all (``bind_partial`` raises: let it)."""
+    named: dict[str, Any] = {}
+    given = len(args)
+    used = 0
+    for index, (name, default) in enumerate(plain):
+        if index < given:
+            if name in kwargs:
+                return None
+            named[name] = args[index]
+        elif name in kwargs:
+            named[name] = kwargs[name]
+            used += 1
+        elif default is not _EMPTY:
+            named[name] = default
+    return named if used == len(kwargs) else None
+
+
+_EMPTY = inspect.Parameter.empty
+_PLAIN = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_Read = tuple[inspect.Signature, str | None, tuple[tuple[str, Any], ...] | None]
+
+
+def _signature(run: Callable[..., Any]) -> _Read:
+    """``run``'s signature, its ``**kwargs`` name and, when every parameter is
+    positional-or-keyword, each one's name and default; worked out once per function.
 
     Every execution renders its key from its arguments; ``inspect.signature`` is the
     slow part of that, and a task's ``run`` does not change.
@@ -74,12 +109,14 @@ def _signature(run: Callable[..., Any]) -> tuple[inspect.Signature, str | None]:
         return _read_signature(run)
 
 
-def _read_signature(run: Callable[..., Any]) -> tuple[inspect.Signature, str | None]:
+def _read_signature(run: Callable[..., Any]) -> _Read:
     signature = inspect.signature(run)
-    var_keyword = next(
-        (n for n, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD), None
-    )
-    return signature, var_keyword
+    params = signature.parameters.values()
+    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+    plain = None
+    if all(p.kind is _PLAIN for p in params):
+        plain = tuple((p.name, p.default) for p in params)
+    return signature, var_keyword, plain
 
 
 _signatures = functools.lru_cache(maxsize=1024)(_read_signature)

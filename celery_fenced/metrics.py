@@ -169,6 +169,20 @@ def _metric(name: str) -> Any:
         return _made[name]
 
 
+#: the labelled children already asked for, by metric name and label values
+_children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+def _child(name: str, *labels: str) -> Any:
+    """The child of metric ``name`` with ``labels``: the one ``prometheus_client`` keeps,
+    looked up once (its ``labels()`` validates them and takes a lock on every call, and
+    the receivers ask on every grant and release)."""
+    found = _children.get((name, labels))
+    if found is None:
+        found = _children[(name, labels)] = _metric(name).labels(*labels)
+    return found
+
+
 def _prometheus() -> Any:
     """``prometheus_client`` with its ``core`` and ``multiprocess`` modules loaded."""
     # the optional extra, imported on first use: multiprocess mode is chosen at import
@@ -201,46 +215,46 @@ def _task(kwargs: dict[str, Any]) -> str:
 # -- signal receivers --------------------------------------------------------------------
 def _on_acquired(**kwargs: Any) -> None:
     kind = "reclaimed" if kwargs.get("reclaimed_from") else "acquired"
-    _metric("celery_fenced_grants").labels(_task(kwargs), kind).inc()
-    _metric("celery_fenced_leases_held").labels(_task(kwargs)).inc()
+    _child("celery_fenced_grants", _task(kwargs), kind).inc()
+    _child("celery_fenced_leases_held", _task(kwargs)).inc()
     delay = kwargs.get("takeover_delay")
     if kind == "reclaimed" and isinstance(delay, float):
-        _metric("celery_fenced_takeover_delay_seconds").labels(_task(kwargs)).observe(delay)
+        _child("celery_fenced_takeover_delay_seconds", _task(kwargs)).observe(delay)
 
 
 def _on_busy(**kwargs: Any) -> None:
-    _metric("celery_fenced_busy").labels(_task(kwargs)).inc()
+    _child("celery_fenced_busy", _task(kwargs)).inc()
 
 
 def _on_lost(**kwargs: Any) -> None:
-    _metric("celery_fenced_lost").labels(_task(kwargs), lost_reason(kwargs.get("reason"))).inc()
+    _child("celery_fenced_lost", _task(kwargs), lost_reason(kwargs.get("reason"))).inc()
 
 
 def _on_released(**kwargs: Any) -> None:
     forced = bool(kwargs.get("forced"))
-    _metric("celery_fenced_released").labels(_task(kwargs), str(forced).lower()).inc()
+    _child("celery_fenced_released", _task(kwargs), str(forced).lower()).inc()
 
 
 def _on_stale(**kwargs: Any) -> None:
     what = stale_what(kwargs.get("what"))
-    _metric("celery_fenced_stale_writes_rejected").labels(_task(kwargs), what).inc()
+    _child("celery_fenced_stale_writes_rejected", _task(kwargs), what).inc()
 
 
 def _on_duplicate(**kwargs: Any) -> None:
-    _metric("celery_fenced_duplicates").labels(_task(kwargs)).inc()
+    _child("celery_fenced_duplicates", _task(kwargs)).inc()
 
 
 def _on_resent(**kwargs: Any) -> None:
     source = "outbox" if kwargs.get("token") is None else "lease"
-    _metric("celery_fenced_resent").labels(_task(kwargs), source).inc()
+    _child("celery_fenced_resent", _task(kwargs), source).inc()
 
 
 def _on_abandoned(**kwargs: Any) -> None:
-    _metric("celery_fenced_abandoned").labels(_task(kwargs)).inc()
+    _child("celery_fenced_abandoned", _task(kwargs)).inc()
 
 
 def _on_deduplicated(**kwargs: Any) -> None:
-    _metric("celery_fenced_deduplicated").labels(_task(kwargs)).inc()
+    _child("celery_fenced_deduplicated", _task(kwargs)).inc()
 
 
 def lost_reason(reason: object) -> str:
@@ -267,7 +281,7 @@ def stale_what(what: object) -> str:
 
 def _on_grant_ended(**kwargs: Any) -> None:
     """This process holds a grant no more (released, lost or forgotten): once per grant."""
-    _metric("celery_fenced_leases_held").labels(_task(kwargs)).dec()
+    _child("celery_fenced_leases_held", _task(kwargs)).dec()
 
 
 def observe_renewal(seconds: float, leases: int) -> None:

@@ -39,6 +39,12 @@ class Renewer:
         self._lost: dict[int, HeldLease] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        # the monotonic time the thread sleeps until, waiting on a lease's renewal; None
+        # while it runs, or waits for a lease to come
+        self._wake_at: float | None = None
+        # whether the thread may hold a database connection (it renewed since it closed
+        # its connections last)
+        self._connected = False
 
     def register(self, lease: HeldLease) -> None:
         with self._cond:
@@ -48,13 +54,16 @@ class Renewer:
                     target=self._run, name="celery-fenced-renewer", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            # woken only when this lease is due before the thread's wake-up: each wake
+            # costs the task's thread a switch to the renewer's, on every task
+            if self._wake_at is None or lease.confirmed_at + lease.renew_interval < self._wake_at:
+                self._cond.notify()
 
     def unregister(self, lease: HeldLease) -> None:
         with self._cond:
             self._leases.pop(id(lease), None)
             self._lost.pop(id(lease), None)
-            if not self._leases:
+            if not self._leases and self._connected:
                 self._cond.notify_all()  # nothing to renew: its connection closes now
 
     def held(self) -> list[HeldLease]:
@@ -77,6 +86,7 @@ class Renewer:
             with self._cond:
                 if not self._leases:
                     connections.close_all()
+                    self._connected = False
                     # stop only after 30 s without a lease: short tasks come and go
                     # between two wake-ups, and a thread per task would cost each of them
                     if not self._cond.wait(timeout=30) and not self._leases:
@@ -87,8 +97,13 @@ class Renewer:
                 leases = list(self._leases.values())
                 next_due = min(x.confirmed_at + x.renew_interval for x in leases)
                 if next_due > now:
-                    self._cond.wait(timeout=next_due - now)
+                    self._wake_at = next_due
+                    try:
+                        self._cond.wait(timeout=next_due - now)
+                    finally:
+                        self._wake_at = None
                     continue
+                self._connected = True
                 due = [x for x in leases if now >= x.confirmed_at + x.renew_interval * BATCH_SHARE]
             try:
                 self.renew(due, time_limit=True)

@@ -93,6 +93,8 @@ def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
     ``fencing_token``, ``task_id``, ``task_name`` and ``lease_event`` (the event's kind).
     """
     _log_event(signal, kwargs)
+    if not signal.receivers:
+        return  # nobody listens
     for receiver, response in signal.send_robust(sender=sender, **kwargs):
         if isinstance(response, Exception):
             name = getattr(receiver, "__qualname__", None) or repr(receiver)

@@ -164,3 +164,17 @@ def test_metrics_port__validated_by_name() -> None:
 def alias(alias_with_mariadb: str) -> str:
     """SQLite, PostgreSQL and MariaDB."""
     return alias_with_mariadb
+
+
+def test_receivers__count_on_the_children_prometheus_keeps(alias: str) -> None:
+    """The labelled child a receiver counts on is looked up once, and is the one the
+    registry reads (the same numbers, grant after grant)."""
+    before = counts()
+    for _ in range(2):
+        acquire("metrics:children", ttl=30, task_name=TASK, using=alias).release()
+    after = counts()
+    assert after["acquired"] == before["acquired"] + 2
+    assert after["released"] == before["released"] + 2
+    child = metrics._child("celery_fenced_grants", TASK, "acquired")
+    assert child is metrics._metric("celery_fenced_grants").labels(TASK, "acquired")
+    assert metrics._child("celery_fenced_grants", TASK, "acquired") is child

@@ -194,3 +194,35 @@ def test_lost__a_renewal_confirmed_after_a_failed_one_clears_its_error(alias: st
     assert not lease.lost
     lease._confirmed_at -= 3  # then the process stalls past its deadline
     assert lease.lost_reason == store.unrenewed(None)
+
+
+def _sleeping(renewer: Renewer) -> bool:
+    """Whether the renewer's thread waits on its condition now (no notify since)."""
+    with renewer._cond:
+        return bool(renewer._cond._waiters)  # type: ignore[attr-defined]
+
+
+def test_renewer__a_lease_due_later_does_not_wake_the_thread(alias: str) -> None:
+    """Each wake-up costs the task's thread a switch to the renewer's: a lease due after
+    the thread's wake-up, and the end of a lease it never renewed, let it sleep."""
+    renewer = Renewer()
+    first = acquire("sleep:first", ttl=30, using=alias)
+    later = acquire("sleep:later", ttl=60, using=alias)
+    try:
+        renewer.register(first)
+        due = first.confirmed_at + first.renew_interval
+        wait_for(lambda: renewer._wake_at == due and _sleeping(renewer))
+        renewer.register(later)  # due after the thread's wake-up
+        assert _sleeping(renewer)
+        renewer.unregister(later)
+        renewer.unregister(first)  # nothing renewed: no connection to close
+        assert _sleeping(renewer)
+        assert renewer._wake_at == due
+        sooner = acquire("sleep:sooner", ttl=3, using=alias)
+        renewer.register(sooner)  # due before it: woken, and renewed on time
+        wait_for(lambda: renewer._wake_at == sooner.confirmed_at + sooner.renew_interval)
+        renewer.unregister(sooner)
+        sooner.release()
+    finally:
+        first.release()
+        later.release()

@@ -87,6 +87,23 @@ def test_acquire__grants_token_one_then_busy(alias: str) -> None:
     assert row.release_state == ""
 
 
+def test_for_alias__one_dialect_per_alias_and_connection(alias: str) -> None:
+    """Made once, not for each statement of every task; a connection of its own gets its
+    own (its statements run there), and the portable one is always new."""
+    dialect = for_alias(alias)
+    assert for_alias(alias) is dialect
+    other = connections.create_connection(alias)
+    try:
+        mine = for_alias(alias, connection=other)
+        assert mine is not dialect
+        assert mine.connection is other
+        assert for_alias(alias, connection=other) is mine
+    finally:
+        other.close()
+    assert for_alias(alias).connection is connections[alias]
+    assert for_alias(alias, portable=True) is not for_alias(alias, portable=True)
+
+
 @pytest.mark.parametrize("ttl", [30.0, 0.5, 3600.0])
 def test_busy_wait__never_exceeds_the_ttl_on_sqlite(ttl: float) -> None:
     # the same statement's clock for both: a grant's expiry, read back at once, is the

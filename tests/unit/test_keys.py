@@ -253,3 +253,51 @@ def test_message_digest__a_zoneinfo_datetime_and_its_json_round_trip_are_one_job
     later = when + dt.timedelta(hours=1)
     other = execution.delivery_of("tid", "t", (later,), kwargs, SimpleNamespace(retries=0))
     assert other.digest != late_copy.digest  # another moment, another job
+
+
+def _bound(run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | str:
+    """What ``named_arguments`` gave through ``bind_partial`` alone (or its error)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(run).bind_partial(*args, **kwargs)
+    except TypeError:
+        return "TypeError"
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((), {}),
+        ((1,), {}),
+        ((1, 2), {}),
+        ((1, 2, 3), {}),
+        ((1, 2, 3, 4), {}),
+        ((), {"report_id": 1}),
+        ((1,), {"page": 2}),
+        ((), {"page": 2, "report_id": 1}),
+        ((1,), {"size": 5}),
+        ((1,), {"report_id": 2}),
+        ((1,), {"nosuch": 2}),
+        ((1, 2), {"page": 3}),
+    ],
+)
+def test_named_arguments__plain_signatures_as_bind_partial_gives_them(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """The shortcut for plain parameters names what ``bind_partial`` names, in its order,
+    and raises where it raises."""
+
+    def run(report_id: int, page: int, size: int = 10) -> None:
+        pass
+
+    expected = _bound(run, args, kwargs)
+    try:
+        got: dict[str, Any] | str = named_arguments(run, args, kwargs)
+    except TypeError:
+        got = "TypeError"
+    assert got == expected
+    if isinstance(got, dict):
+        assert list(got) == list(expected)

@@ -43,10 +43,34 @@ def for_alias(
     """The dialect for database ``alias`` (``portable=True`` forces the ORM dialect).
 
     ``connection``: a connection to ``alias`` to use instead of Django's.
+
+    A dialect holds no state of its own beyond its alias and connection (Django's is looked
+    up at each statement, in the thread that runs it): one is made per alias and class,
+    and per kept connection, not per statement of every task.
     """
     if portable:
         return ORMDialect(alias)
-    return VENDORS.get(connections[alias].vendor, ORMDialect)(alias, connection)
+    make = VENDORS.get(connections[alias].vendor, ORMDialect)
+    kept = _made if connection is None else _made_on(connection)
+    dialect = kept.get((alias, make))
+    if dialect is None:
+        dialect = kept[(alias, make)] = make(alias, connection)
+    return dialect
+
+
+#: the dialects made for Django's connections, by alias and class
+_made: dict[tuple[str, object], Dialect] = {}
+#: where the dialects made for one kept connection are kept, on that connection
+_ON_CONNECTION = "_celery_fenced_dialects"
+
+
+def _made_on(connection: BaseDatabaseWrapper) -> dict[tuple[str, object], Dialect]:
+    """The dialects made for ``connection``: they go with it."""
+    kept: dict[tuple[str, object], Dialect] | None = getattr(connection, _ON_CONNECTION, None)
+    if kept is None:
+        kept = {}
+        setattr(connection, _ON_CONNECTION, kept)
+    return kept
 
 
 def releasing_with_result(
