@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from celery_fenced import permits
 from celery_fenced.models import Lease
+from celery_fenced.store.dialects import permits as permit_grants
 from celery_fenced.store.dialects.row_locked import RowLockedDialect
 from celery_fenced.store.dialects.row_locking import RowLocking
-from celery_fenced.store.dialects.rows import aware
+from celery_fenced.store.dialects.rows import aware, completes
 from celery_fenced.store.dialects.statements import mysql as sql
-from celery_fenced.store.types import (
-    Renewal,
-)
+from celery_fenced.store.types import Completed, Ending, Grant, GrantRequest, Holder, Renewal
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -32,10 +32,15 @@ class MySQL(RowLockedDialect):
     check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes. The
     grants, releases and proofs are :class:`.RowLocking`'s, with this family's row locks
     (:meth:`_locked_row`, :meth:`_locked_rows`) and clock.
+
+    On MariaDB a free permit's grant is one statement (:meth:`_grant_permit`), and so is a
+    release that neither completes a job nor records an event (:meth:`release`).
     """
 
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
-        super().__init__(alias, connection, locked_rows=self._locked_rows)
+        super().__init__(
+            alias, connection, locked_rows=self._locked_rows, next_token=self._permit_token
+        )
         self.locking = RowLocking(
             alias,
             connection,
@@ -46,6 +51,98 @@ class MySQL(RowLockedDialect):
             locked_row=self._locked_row,
             lock_for_result=self.lock_for_result,
         )
+
+    @property
+    def mariadb(self) -> bool:
+        """Whether the server is MariaDB (sequences, ``RETURNING``), not MySQL."""
+        return bool(getattr(self.connection, "mysql_is_mariadb", False))
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """A free permit on MariaDB in one statement (:meth:`_grant_permit`); else (and
+        always on MySQL) :meth:`.RowLocking.acquire`."""
+        if request.limit is not None and self._one_statement(request):
+            granted = self._grant_permit(request)
+            if granted is not None:
+                return granted
+        return self.locking.acquire(request)
+
+    def _one_statement(self, request: GrantRequest) -> bool:
+        """Whether the one-statement permit grant can serve ``request``: on MariaDB, with
+        nothing else to write in its transaction (no ``acquired`` event, no outbox row to
+        end) and no completed duplicate to look for."""
+        delivery = request.delivery
+        return (
+            self.mariadb
+            and not request.routine_events
+            and not request.ends_pending
+            and (delivery is None or not delivery.task_id)
+        )
+
+    def _grant_permit(self, request: GrantRequest) -> Grant | None:
+        """The lowest released permit of the key, in one statement
+        (:data:`~.statements.mysql.GRANT_PERMIT`); None when there is none to take here —
+        the key's permit rows not made yet or its limit changed, every permit held or
+        locked, the job holding one already — and the transaction decides
+        (:mod:`.dialects.permits`).
+
+        Acquirers of one key's permits share no row, as on PostgreSQL: each locks only the
+        permit it takes, and its token is the head's floor plus the next value of the
+        sequence (:meth:`_permit_token`).
+        """
+        assert request.limit is not None
+        fields: dict[str, Any] = {
+            "key": request.key,
+            "first": request.key + permits.SEPARATOR,
+            "after": request.key + chr(ord(permits.SEPARATOR) + 1),
+            "limit": request.limit,
+            "owner": request.owner,
+            "task_id": request.task_id,
+            "task_name": request.task_name,
+            "us": round(request.ttl * 1_000_000),
+            "job": request.job,
+            "permit_job": permit_grants.permit_job(request.key, request.task_id),
+        }
+        connection = self.connection
+        savepoint = connection.savepoint() if connection.in_atomic_block else None
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(sql.GRANT_PERMIT, fields)
+                row = cursor.fetchone()
+        except IntegrityError:  # the same job granted another permit meanwhile
+            if savepoint is not None:
+                connection.savepoint_rollback(savepoint)
+            return None
+        if savepoint is not None:
+            connection.savepoint_commit(savepoint)
+        if row is None:
+            return None
+        lease_id, token, expires_at, marker, key = row
+        return Grant(lease_id, token, aware(expires_at), "", marker, key)
+
+    def _permit_token(self, head: Lease, rows: Iterable[Lease]) -> int:
+        """MariaDB: the head's floor plus the sequence's next value, as the one-statement
+        grant numbers a permit (the key's tokens one increasing sequence on both paths);
+        MySQL: :func:`.permits.next_permit_token`."""
+        if not self.mariadb:
+            return permit_grants.next_permit_token(self.alias, head, rows)
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.PERMIT_TOKEN, {"floor": head.token})
+            return int(cursor.fetchone()[0])
+
+    def release(self, ending: Ending) -> bool:
+        """A release that neither completes a job nor records an event in one
+        ``UPDATE``; else :meth:`.RowLocking.release`."""
+        if ending.routine_events or completes(ending.state, ending.delivery):
+            return self.locking.release(ending)
+        fields: dict[str, Any] = {
+            "key": ending.key,
+            "token": ending.token,
+            "owner": ending.owner,
+            "state": ending.state[:16],
+        }
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.RELEASE, fields)
+            return bool(cursor.rowcount)
 
     def now(self) -> dt.datetime:
         """The database's clock, to the microsecond (``CURRENT_TIMESTAMP`` alone is to the
