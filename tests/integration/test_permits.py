@@ -421,6 +421,19 @@ def test_mariadb__permit_tokens_stay_above_every_earlier_one__both_paths() -> No
     assert seen == sorted(set(seen))
 
 
+def test_mariadb__sequence_made_again__permit_tokens_stay_above_earlier_ones() -> None:
+    """Reversing the migration that makes the permits' sequence and applying it again
+    starts the sequence above every token issued: no permit token comes again."""
+    from django.core.management import call_command
+
+    for _ in range(3):
+        acquire("k", ttl=30, limit=2, using="mariadb").release()
+    before = max(Lease.objects.using("mariadb").values_list("token", flat=True))
+    call_command("migrate", "celery_fenced", "0014", database="mariadb", verbosity=0)
+    call_command("migrate", "celery_fenced", database="mariadb", verbosity=0)
+    assert acquire("k", ttl=30, limit=2, using="mariadb").token > before
+
+
 # -- through Celery's tracer ---------------------------------------------------------------
 def test_tracer__two_run_at_once__a_third_waits__a_stale_permit_holders_result_refused(
     broker: Any, lease_db: str
