@@ -381,7 +381,9 @@ def test_mariadb__a_free_permit_granted_in_one_statement__released_in_one() -> N
     assert (again.key, again.token > lease.token) == (lease.key, True)
 
 
-def test_mariadb__a_free_permit_granted_past_a_locked_head_and_a_locked_permit() -> None:
+def test_mariadb__a_free_permit_granted_past_a_locked_head_and_a_locked_permit(
+    settings: Any,
+) -> None:
     """Another transaction holds the key's head row and one released permit's row locked
     (an acquirer on the transaction's path, a release not committed yet): the grant takes
     the next free permit without waiting for either (a wait would time out: an error)."""
@@ -400,6 +402,21 @@ def test_mariadb__a_free_permit_granted_past_a_locked_head_and_a_locked_permit()
         lease = acquire("k", ttl=30, limit=3, using="mariadb")
         assert lease.key == permits.permit_key("k", 1)
         assert lease.token > before
+        # a worker's grant too: a job's delivery, its outbox row ended in the same
+        # transaction, the ``acquired`` event written with it
+        settings.CELERY_FENCED_EVENTS = "all"
+        job = store.grant(
+            "k",
+            ttl=30,
+            limit=3,
+            task_id="job-1",
+            delivery=Delivery("job-1", "digest-1", 0),
+            ends_pending=True,
+            using="mariadb",
+        )
+        assert (job.key, job.token > lease.token) == (permits.permit_key("k", 2), True)
+        event = LeaseEvent.objects.using("mariadb").get(kind="acquired", token=job.token)
+        assert event.task_id == "job-1"
     finally:
         other.rollback()
         other.close()

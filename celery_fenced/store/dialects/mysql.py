@@ -11,7 +11,7 @@ from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import permits
-from celery_fenced.models import Lease
+from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store.dialects import permits as permit_grants
 from celery_fenced.store.dialects.row_locked import RowLockedDialect
 from celery_fenced.store.dialects.row_locking import RowLocking
@@ -58,31 +58,50 @@ class MySQL(RowLockedDialect):
         return bool(getattr(self.connection, "mysql_is_mariadb", False))
 
     def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
-        """A free permit on MariaDB in one statement (:meth:`_grant_permit`); else (and
-        always on MySQL) :meth:`.RowLocking.acquire`."""
-        if request.limit is not None and self._one_statement(request):
-            granted = self._grant_permit(request)
-            if granted is not None:
-                return granted
-        return self.locking.acquire(request)
+        """A free permit on MariaDB in one statement (:meth:`_grant_permit`), in the
+        transaction that ends the job's outbox row and records its event when there is
+        one; else :meth:`.RowLocking.acquire`.
 
-    def _one_statement(self, request: GrantRequest) -> bool:
-        """Whether the one-statement permit grant can serve ``request``: on MariaDB, with
-        nothing else to write in its transaction (no ``acquired`` event, no outbox row to
-        end) and no completed duplicate to look for."""
-        delivery = request.delivery
-        return (
-            self.mariadb
-            and not request.routine_events
-            and not request.ends_pending
-            and (delivery is None or not delivery.task_id)
-        )
+        A transaction whose one statement granted nothing is rolled back before the
+        transaction of :mod:`.dialects.permits` runs: the statement may have locked a
+        free permit row it then did not grant (the job holds another, or completed), and
+        that transaction locks the key's head before its permit rows — holding a permit
+        row while waiting for the head deadlocks with it (error 1213).
+        """
+        if request.limit is None or self.connection.in_atomic_block or not self.mariadb:
+            return self.locking.acquire(request)
+        if not request.ends_pending and not request.routine_events:
+            granted = self._grant_permit(request)
+            return granted if granted is not None else self.locking.acquire(request)
+        try:
+            return self.pending.ending_with_grant(request, self._permit_grant)
+        except _NotGranted:
+            return self.locking.acquire(request)
+
+    def _permit_grant(self, request: GrantRequest) -> Grant:
+        """:meth:`_grant_permit` in the transaction of :meth:`acquire`, with the ``acquired``
+        event; :class:`_NotGranted` (the transaction rolled back) when it grants nothing."""
+        granted = self._grant_permit(request)
+        if granted is None:
+            raise _NotGranted
+        if request.routine_events:
+            at = granted.expires_at - dt.timedelta(microseconds=round(request.ttl * 1_000_000))
+            self.events.add(
+                granted.lease_id,
+                LeaseEvent.Kind.ACQUIRED,
+                granted.token,
+                request.task_id,
+                request.owner,
+                at,
+                {},
+            )
+        return granted
 
     def _grant_permit(self, request: GrantRequest) -> Grant | None:
         """The lowest released permit of the key, in one statement
         (:data:`~.statements.mysql.GRANT_PERMIT`); None when there is none to take here —
         the key's permit rows not made yet or its limit changed, every permit held or
-        locked, the job holding one already — and the transaction decides
+        locked, the job holding one already or completed — and the transaction decides
         (:mod:`.dialects.permits`).
 
         Acquirers of one key's permits share no row, as on PostgreSQL: each locks only the
@@ -90,6 +109,8 @@ class MySQL(RowLockedDialect):
         sequence (:meth:`_permit_token`).
         """
         assert request.limit is not None
+        delivery = request.delivery
+        unless_completed = delivery is not None and bool(delivery.task_id)
         fields: dict[str, Any] = {
             "key": request.key,
             "first": request.key + permits.SEPARATOR,
@@ -102,18 +123,18 @@ class MySQL(RowLockedDialect):
             "job": request.job,
             "permit_job": permit_grants.permit_job(request.key, request.task_id),
         }
-        connection = self.connection
-        savepoint = connection.savepoint() if connection.in_atomic_block else None
+        if delivery is not None and unless_completed:
+            fields.update(
+                digest=delivery.digest,
+                retries=delivery.retries,
+                window_us=round(request.window * 1_000_000),
+            )
         try:
-            with connection.cursor() as cursor:
-                cursor.execute(sql.GRANT_PERMIT, fields)
+            with self.connection.cursor() as cursor:
+                cursor.execute(sql.GRANT_PERMIT[unless_completed], fields)
                 row = cursor.fetchone()
         except IntegrityError:  # the same job granted another permit meanwhile
-            if savepoint is not None:
-                connection.savepoint_rollback(savepoint)
             return None
-        if savepoint is not None:
-            connection.savepoint_commit(savepoint)
         if row is None:
             return None
         lease_id, token, expires_at, marker, key = row
@@ -248,6 +269,10 @@ class MySQL(RowLockedDialect):
                     "detail": json.dumps(detail),
                 },
             )
+
+
+class _NotGranted(Exception):
+    """The one-statement permit grant granted nothing: its transaction is rolled back."""
 
 
 def repeated(
