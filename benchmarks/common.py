@@ -105,6 +105,8 @@ class Context:
     work: Path
     scale_databases: tuple[str, str]
     servers: Path  # the servers' directory (PostgreSQL's data, Redis's pid file)
+    #: MariaDB's ``FENCED_MARIADB_*`` when a benchmark compares it (alias ``mariadb``)
+    mariadb: dict[str, str] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # raw numbers, for the details
 
     def conninfo(self, dbname: str | None = None, user: str | None = None) -> str:
@@ -316,6 +318,10 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+#: the MariaDB database of the benchmarks that compare it (alias ``mariadb``)
+MARIADB_DATABASE = "celery_fenced_bench"
+
+
 def worker_env(ctx: Context) -> dict[str, str]:
     """Environment of processes that open the benchmark databases through Django."""
     return {
@@ -330,4 +336,5 @@ def worker_env(ctx: Context) -> dict[str, str]:
         "FENCED_BROKER_URL": ctx.redis_url,
         "FENCED_USE_TEST_DATABASES": "0",
         "PYTHONPATH": str(repo_root()) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **({"BENCH_MARIADB_NAME": MARIADB_DATABASE, **ctx.mariadb} if ctx.mariadb else {}),
     }

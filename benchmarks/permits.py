@@ -1,10 +1,12 @@
 """Row 7: permits — grant-and-release cycles of one key's permits.
 
-Threads of one process loop ``acquire(key, limit=N)`` then ``release()`` on PostgreSQL,
-N threads for N permits (each finds one free), against what a user would use instead
-for N at a time: N single leases on N keys of their own, one thread each. And one
-thread's cycle on one permit (``limit=1``) against the single lease: what the permit's
-statement costs. Rounds alternate the variants; cycles per second over all threads.
+Threads of one process loop ``acquire(key, limit=N)`` then ``release()``, N threads for
+N permits (each finds one free), against what a user would use instead for N at a time:
+N single leases on N keys of their own, one thread each. And one thread's cycle on one
+permit (``limit=1``) against the single lease: what the permit's statement costs. On
+PostgreSQL, and on MariaDB when the runner started it (alias ``mariadb``), each database
+against its own single leases. Rounds alternate the variants; cycles per second over all
+threads.
 """
 
 from __future__ import annotations
@@ -17,8 +19,21 @@ from statistics import median
 
 from benchmarks.common import Context, Line
 
+#: the databases compared, by alias, as the cases name them
+DATABASES = {"default": "", "mariadb": "MariaDB: "}
+
 
 def run(ctx: Context) -> list[Line]:
+    from django.conf import settings
+
+    lines: list[Line] = []
+    for alias, label in DATABASES.items():
+        if alias in settings.DATABASES:
+            lines += _run(ctx, alias, label)
+    return lines
+
+
+def _run(ctx: Context, alias: str, label: str) -> list[Line]:
     from django.db import connections
 
     from celery_fenced import acquire
@@ -56,10 +71,10 @@ def run(ctx: Context) -> list[Line]:
 
     def permits(limit: int) -> Callable[[int], object]:
         key = f"{prefix}:p{limit}"
-        return lambda n: acquire(key, ttl=30, limit=limit)
+        return lambda n: acquire(key, ttl=30, limit=limit, using=alias)
 
     def single(key: str) -> Callable[[int], object]:
-        return lambda n: acquire(f"{key}:{n}", ttl=30)
+        return lambda n: acquire(f"{key}:{n}", ttl=30, using=alias)
 
     variants: dict[str, tuple[int, Callable[[int], object]]] = {
         "single": (1, single(f"{prefix}:s")),
@@ -78,15 +93,19 @@ def run(ctx: Context) -> list[Line]:
     finally:
         from celery_fenced.models import Lease
 
-        Lease.objects.filter(key__startswith=prefix).delete()
+        Lease.objects.using(alias).filter(key__startswith=prefix).delete()
         connections.close_all()
-    ctx.data["permits"] = {"seconds": seconds, "rounds": rounds, "cycles_per_second": measured}
+    numbers = {"seconds": seconds, "rounds": rounds, "cycles_per_second": measured}
+    if alias == "default":
+        ctx.data["permits"] = numbers
+    else:
+        ctx.data[f"permits_{alias}"] = numbers
 
     def line(case: str, ours: str, theirs: str) -> Line:
         ratios = [a / b for a, b in zip(measured[ours], measured[theirs], strict=True)]
         return Line(
             row="7 permits",
-            case=case,
+            case=label + case,
             measured=f"{median(measured[ours]):,.0f} cycles/s",
             baseline=f"{median(measured[theirs]):,.0f} cycles/s",
             ratio=median(ratios),

@@ -22,7 +22,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import atomic, e2e, locks, permits, publish, renewal, report, scale
-from benchmarks.common import WORKER_ROLE, Context, Line, Profile, repo_root, worker_env
+from benchmarks.common import (
+    MARIADB_DATABASE,
+    WORKER_ROLE,
+    Context,
+    Line,
+    Profile,
+    repo_root,
+    worker_env,
+)
 
 PG_OPTIONS = "-c shared_preload_libraries=pg_stat_statements"
 DATABASE = "celery_fenced_bench"
@@ -55,7 +63,18 @@ def prepare(ctx: Context) -> None:
     from django.core.management import call_command
     from django.db import connections
 
-    for alias in ("default", "sqlite"):
+    if ctx.mariadb:
+        import MySQLdb
+
+        server = MySQLdb.connect(
+            host=ctx.mariadb["FENCED_MARIADB_HOST"],
+            port=int(ctx.mariadb["FENCED_MARIADB_PORT"]),
+            user=ctx.mariadb["FENCED_MARIADB_USER"],
+            password=ctx.mariadb["FENCED_MARIADB_PASSWORD"],
+        )
+        server.cursor().execute(f"CREATE DATABASE {MARIADB_DATABASE} CHARACTER SET utf8mb4")
+        server.close()
+    for alias in ("default", "sqlite", *(["mariadb"] if ctx.mariadb else [])):
         call_command("migrate", database=alias, verbosity=0)
     connections.close_all()
     with ctx.admin() as conn:
@@ -113,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             scale_databases=SCALE_DATABASES,
             servers=base,
         )
+        if "permits" in (args.only or ROWS):  # the one row that compares MariaDB
+            log("starting MariaDB")
+            ctx.mariadb = services.start_mariadb(base)
         prepare(ctx)
         lines: list[Line] = []
         for name in [n for n in ROWS if not args.only or n in args.only]:

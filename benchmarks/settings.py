@@ -4,6 +4,8 @@
   processes connect as ``FENCED_PG_USER`` (the runner gives them their own role, so
   PostgreSQL counts their statements apart from the runner's);
 - alias ``sqlite``: the SQLite file ``BENCH_SQLITE_PATH``;
+- alias ``mariadb``: MariaDB database ``BENCH_MARIADB_NAME`` on ``FENCED_MARIADB_*``, when
+  the runner started one (the benchmarks that compare it: permits);
 - one alias per name in ``BENCH_SCALE_DATABASES`` (comma-separated PostgreSQL databases);
 - alias ``prepared``: database ``default`` again, with psycopg's server-side binding and
   prepared statements (``OPTIONS``: ``server_side_binding``, ``prepare_threshold``);
@@ -22,7 +24,7 @@ import os
 os.environ.setdefault("FENCED_BROKER_URL", os.environ.get("FENCED_REDIS_URL", ""))
 
 from testproject.settings import *  # noqa: F403
-from testproject.settings import INSTALLED_APPS, _postgres, _sqlite
+from testproject.settings import INSTALLED_APPS, _mariadb, _postgres, _sqlite
 
 REUSE = os.environ.get("BENCH_DB_REUSE") == "1"
 
@@ -38,6 +40,8 @@ DATABASES = {
     "default": _pg(os.environ.get("BENCH_PG_NAME", "celery_fenced_bench")),
     "sqlite": _sqlite(os.environ.get("BENCH_SQLITE_PATH", "/tmp/celery-fenced-bench.sqlite3")),
 }
+if os.environ.get("BENCH_MARIADB_NAME"):
+    DATABASES["mariadb"] = _mariadb(os.environ["BENCH_MARIADB_NAME"])
 for _name in filter(None, os.environ.get("BENCH_SCALE_DATABASES", "").split(",")):
     DATABASES[_name] = _pg(_name)
 # the same database through server-side binding with prepared statements (Django's opt-in

@@ -362,6 +362,95 @@ def test_postgresql__a_released_permit__granted_without_the_takeovers_tables() -
     assert "generate_series" not in statement
 
 
+def test_mariadb__a_free_permit_granted_in_one_statement__released_in_one() -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.integration.test_store import data_statements
+
+    acquire("k", ttl=30, limit=3, using="mariadb")  # the key's head and its first permits
+    with CaptureQueriesContext(connections["mariadb"]) as queries:
+        lease = acquire("k", ttl=30, limit=3, using="mariadb")
+    assert lease.key == permits.permit_key("k", 1)
+    assert len(data_statements(queries)) == 1
+    with CaptureQueriesContext(connections["mariadb"]) as queries:
+        assert lease.release()
+    assert len(data_statements(queries)) == 1
+    row = Lease.objects.using("mariadb").get(key=lease.key)
+    assert (row.token, row.released_at is not None) == (lease.token, True)
+    again = acquire("k", ttl=30, limit=3, using="mariadb")
+    assert (again.key, again.token > lease.token) == (lease.key, True)
+
+
+def test_mariadb__a_free_permit_granted_past_a_locked_head_and_a_locked_permit(
+    settings: Any,
+) -> None:
+    """Another transaction holds the key's head row and one released permit's row locked
+    (an acquirer on the transaction's path, a release not committed yet): the grant takes
+    the next free permit without waiting for either (a wait would time out: an error)."""
+    acquire("k", ttl=30, limit=3, using="mariadb").release()
+    before = max(Lease.objects.using("mariadb").values_list("token", flat=True))
+    other = connections.create_connection("mariadb")
+    try:
+        other.set_autocommit(False)
+        with other.cursor() as cursor:
+            cursor.execute(
+                "SELECT id FROM celery_fenced_lease WHERE `key` IN (%s, %s) FOR UPDATE",
+                ["k", permits.permit_key("k", 0)],
+            )
+        with connections["mariadb"].cursor() as cursor:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+        lease = acquire("k", ttl=30, limit=3, using="mariadb")
+        assert lease.key == permits.permit_key("k", 1)
+        assert lease.token > before
+        # a worker's grant too: a job's delivery, its outbox row ended in the same
+        # transaction, the ``acquired`` event written with it
+        settings.CELERY_FENCED_EVENTS = "all"
+        job = store.grant(
+            "k",
+            ttl=30,
+            limit=3,
+            task_id="job-1",
+            delivery=Delivery("job-1", "digest-1", 0),
+            ends_pending=True,
+            using="mariadb",
+        )
+        assert (job.key, job.token > lease.token) == (permits.permit_key("k", 2), True)
+        event = LeaseEvent.objects.using("mariadb").get(kind="acquired", token=job.token)
+        assert event.task_id == "job-1"
+    finally:
+        other.rollback()
+        other.close()
+
+
+def test_mariadb__permit_tokens_stay_above_every_earlier_one__both_paths() -> None:
+    """Grants on the one-statement path and on the transaction's (a takeover of an expired
+    permit) draw on one sequence above the key's floor: tokens only go up."""
+    seen = []
+    for _ in range(3):
+        lease = acquire("k", ttl=30, limit=2, using="mariadb")
+        seen.append(lease.token)
+        lease.release()
+        held = acquire("k", ttl=30, limit=2, using="mariadb")
+        seen.append(held.token)
+        expire("mariadb", held.key)
+    taken = acquire("k", ttl=30, limit=2, using="mariadb")
+    seen.append(taken.token)
+    assert seen == sorted(set(seen))
+
+
+def test_mariadb__sequence_made_again__permit_tokens_stay_above_earlier_ones() -> None:
+    """Reversing the migration that makes the permits' sequence and applying it again
+    starts the sequence above every token issued: no permit token comes again."""
+    from django.core.management import call_command
+
+    for _ in range(3):
+        acquire("k", ttl=30, limit=2, using="mariadb").release()
+    before = max(Lease.objects.using("mariadb").values_list("token", flat=True))
+    call_command("migrate", "celery_fenced", "0014", database="mariadb", verbosity=0)
+    call_command("migrate", "celery_fenced", database="mariadb", verbosity=0)
+    assert acquire("k", ttl=30, limit=2, using="mariadb").token > before
+
+
 # -- through Celery's tracer ---------------------------------------------------------------
 def test_tracer__two_run_at_once__a_third_waits__a_stale_permit_holders_result_refused(
     broker: Any, lease_db: str
@@ -415,10 +504,11 @@ def _granted_permit(alias: str, task_id: str) -> Lease:
     )
 
 
-def test_concurrent_deliveries_of_one_job__one_permit_granted() -> None:
-    """Six threads deliver the same job at once on PostgreSQL, four permits free: one
-    grant — the database's unique index on the job's permit decides, not a read."""
-    alias = "postgres"
+@pytest.mark.parametrize("alias", ["postgres", "mariadb"])
+def test_concurrent_deliveries_of_one_job__one_permit_granted(alias: str) -> None:
+    """Six threads deliver the same job at once, four permits free: one grant — the
+    database's unique index on the job's permit decides, not a read (on MariaDB too, where
+    the one-statement grant queues behind no other acquirer)."""
     acquire("one", ttl=30, limit=4, task_id="warm", using=alias).release()
     barrier = threading.Barrier(6)
     granted: list[Any] = []

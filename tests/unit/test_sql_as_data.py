@@ -160,7 +160,7 @@ def test_statements__name_the_models_tables() -> None:
     tables = set(re.findall(r"\b(?:celery_fenced_\w+|django_celery_results_\w+)\b", text))
     result = records.task_result_model()._meta.db_table
     models = {records.LEASE, records.EVENT, records.COMPLETION, records.PENDING, result}
-    models.add("celery_fenced_permit_token")  # permits' sequence (migration 0007_permits)
+    models.add("celery_fenced_permit_token")  # permits' sequence (migrations 0007, 0015)
     models.add("celery_fenced_lease_key_uniq")  # the keys' unique index (MariaDB's hint)
     assert tables <= models
     assert {records.LEASE, records.EVENT} <= tables

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from celery_fenced.models import Lease
+from celery_fenced import permits
+from celery_fenced.models import Lease, LeaseEvent
+from celery_fenced.store.dialects import permits as permit_grants
 from celery_fenced.store.dialects.row_locked import RowLockedDialect
 from celery_fenced.store.dialects.row_locking import RowLocking
-from celery_fenced.store.dialects.rows import aware
+from celery_fenced.store.dialects.rows import aware, completes
 from celery_fenced.store.dialects.statements import mysql as sql
-from celery_fenced.store.types import Pending, Renewal
+from celery_fenced.store.types import (
+    Completed,
+    Ending,
+    Grant,
+    GrantRequest,
+    Holder,
+    Pending,
+    Renewal,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import LiteralString
@@ -30,10 +40,15 @@ class MySQL(RowLockedDialect):
     check ``celery_fenced.E006`` makes sure it is UTC, as Django stores datetimes. The
     grants, releases and proofs are :class:`.RowLocking`'s, with this family's row locks
     (:meth:`_locked_row`, :meth:`_locked_rows`) and clock.
+
+    On MariaDB a free permit's grant is one statement (:meth:`_grant_permit`), and so is a
+    release that neither completes a job nor records an event (:meth:`release`).
     """
 
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
-        super().__init__(alias, connection, locked_rows=self._locked_rows)
+        super().__init__(
+            alias, connection, locked_rows=self._locked_rows, next_token=self._permit_token
+        )
         self.locking = RowLocking(
             alias,
             connection,
@@ -44,6 +59,119 @@ class MySQL(RowLockedDialect):
             locked_row=self._locked_row,
             lock_for_result=self.lock_for_result,
         )
+
+    @property
+    def mariadb(self) -> bool:
+        """Whether the server is MariaDB (sequences, ``RETURNING``), not MySQL."""
+        return bool(getattr(self.connection, "mysql_is_mariadb", False))
+
+    def acquire(self, request: GrantRequest) -> Grant | Holder | Completed:
+        """A free permit on MariaDB in one statement (:meth:`_grant_permit`), in the
+        transaction that ends the job's outbox row and records its event when there is
+        one; else :meth:`.RowLocking.acquire`.
+
+        A transaction whose one statement granted nothing is rolled back before the
+        transaction of :mod:`.dialects.permits` runs: the statement may have locked a
+        free permit row it then did not grant (the job holds another, or completed), and
+        that transaction locks the key's head before its permit rows — holding a permit
+        row while waiting for the head deadlocks with it (error 1213).
+        """
+        if request.limit is None or self.connection.in_atomic_block or not self.mariadb:
+            return self.locking.acquire(request)
+        if not request.ends_pending and not request.routine_events:
+            granted = self._grant_permit(request)
+            return granted if granted is not None else self.locking.acquire(request)
+        try:
+            return self.pending.ending_with_grant(request, self._permit_grant)
+        except _NotGranted:
+            return self.locking.acquire(request)
+
+    def _permit_grant(self, request: GrantRequest) -> Grant:
+        """:meth:`_grant_permit` in the transaction of :meth:`acquire`, with the ``acquired``
+        event; :class:`_NotGranted` (the transaction rolled back) when it grants nothing."""
+        granted = self._grant_permit(request)
+        if granted is None:
+            raise _NotGranted
+        if request.routine_events:
+            at = granted.expires_at - dt.timedelta(microseconds=round(request.ttl * 1_000_000))
+            self.events.add(
+                granted.lease_id,
+                LeaseEvent.Kind.ACQUIRED,
+                granted.token,
+                request.task_id,
+                request.owner,
+                at,
+                {},
+            )
+        return granted
+
+    def _grant_permit(self, request: GrantRequest) -> Grant | None:
+        """The lowest released permit of the key, in one statement
+        (:data:`~.statements.mysql.GRANT_PERMIT`); None when there is none to take here —
+        the key's permit rows not made yet or its limit changed, every permit held or
+        locked, the job holding one already or completed — and the transaction decides
+        (:mod:`.dialects.permits`).
+
+        Acquirers of one key's permits share no row, as on PostgreSQL: each locks only the
+        permit it takes, and its token is the head's floor plus the next value of the
+        sequence (:meth:`_permit_token`).
+        """
+        assert request.limit is not None
+        delivery = request.delivery
+        unless_completed = delivery is not None and bool(delivery.task_id)
+        fields: dict[str, Any] = {
+            "key": request.key,
+            "first": request.key + permits.SEPARATOR,
+            "after": request.key + chr(ord(permits.SEPARATOR) + 1),
+            "limit": request.limit,
+            "owner": request.owner,
+            "task_id": request.task_id,
+            "task_name": request.task_name,
+            "us": round(request.ttl * 1_000_000),
+            "job": request.job,
+            "permit_job": permit_grants.permit_job(request.key, request.task_id),
+        }
+        if delivery is not None and unless_completed:
+            fields.update(
+                digest=delivery.digest,
+                retries=delivery.retries,
+                window_us=round(request.window * 1_000_000),
+            )
+        try:
+            with self.connection.cursor() as cursor:
+                cursor.execute(sql.GRANT_PERMIT[unless_completed], fields)
+                row = cursor.fetchone()
+        except IntegrityError:  # the same job granted another permit meanwhile
+            return None
+        if row is None:
+            return None
+        lease_id, token, expires_at, marker, key = row
+        return Grant(lease_id, token, aware(expires_at), "", marker, key)
+
+    def _permit_token(self, head: Lease, rows: Iterable[Lease]) -> int:
+        """MariaDB: the head's floor plus the sequence's next value, as the one-statement
+        grant numbers a permit (the key's tokens one increasing sequence on both paths);
+        MySQL: :func:`.permits.next_permit_token`."""
+        if not self.mariadb:
+            return permit_grants.next_permit_token(self.alias, head, rows)
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.PERMIT_TOKEN, {"floor": head.token})
+            return int(cursor.fetchone()[0])
+
+    def release(self, ending: Ending) -> bool:
+        """A release that neither completes a job nor records an event in one
+        ``UPDATE``; else :meth:`.RowLocking.release`."""
+        if ending.routine_events or completes(ending.state, ending.delivery):
+            return self.locking.release(ending)
+        fields: dict[str, Any] = {
+            "key": ending.key,
+            "token": ending.token,
+            "owner": ending.owner,
+            "state": ending.state[:16],
+        }
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql.RELEASE, fields)
+            return bool(cursor.rowcount)
 
     def now(self) -> dt.datetime:
         """The database's clock, to the microsecond (``CURRENT_TIMESTAMP`` alone is to the
@@ -174,6 +302,10 @@ class MySQL(RowLockedDialect):
                     "detail": json.dumps(detail),
                 },
             )
+
+
+class _NotGranted(Exception):
+    """The one-statement permit grant granted nothing: its transaction is rolled back."""
 
 
 def repeated(

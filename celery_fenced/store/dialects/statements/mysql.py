@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from celery_fenced.store.dialects.statements.common import EVENT_INSERT
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from typing_extensions import LiteralString
 
 # -- name: now --
@@ -106,3 +108,77 @@ INSERT_EVENT: LiteralString = (
     VALUES (%(lease_id)s, %(kind)s, %(token)s, %(task_id)s, %(owner)s, CURRENT_TIMESTAMP(6),
             %(detail)s)"""
 )
+
+# -- name: release --
+# Release the grant of ``%(key)s`` with token ``%(token)s`` held by ``%(owner)s``, in state
+# ``%(state)s``: a release that neither completes a job nor records an event (the
+# affected-row count tells whether the grant was still held).
+RELEASE: LiteralString = """UPDATE celery_fenced_lease
+    SET released_at = CURRENT_TIMESTAMP(6), job = NULL, release_state = %(state)s
+    WHERE `key` = %(key)s AND token = %(token)s AND owner = %(owner)s
+      AND released_at IS NULL"""
+
+# -- name: grant_permit --
+# MariaDB: a released permit of the key granted (its rows' keys are ``%(first)s`` and up,
+# below ``%(after)s``: the key and the separator, the key and the byte after it), when the
+# key's head has exactly ``%(limit)s`` permits (so no permit row above them) and this job
+# (``%(permit_job)s``, NULL for none) holds none of them (nor completed them: keyed by
+# whether the grant looks). The permit row is the one row locked: the first free one in
+# the key index's order, where the scan stops (``SKIP LOCKED``: one another acquirer holds
+# is passed over; the head and the other subqueries are plain reads). Its token is the
+# head's floor plus the sequence's next value; its times the clock read once the row is
+# locked (``SYSDATE(6)``: a release committed before is seen, and the grant does not start
+# before it). The ``INSERT`` of an existing key
+# updates that row (``ON DUPLICATE KEY UPDATE``) and hands it back (``RETURNING``:
+# MariaDB's ``UPDATE`` has none). The duplicate is always found on the keys' unique
+# index: the server checks a unique index of NOT NULL columns before one of nullable
+# columns, the unreleased permits' jobs' (a virtual column). A delivery of the same job
+# granted another permit meanwhile makes the update break that index (IntegrityError):
+# it never updates the other permit's row.
+_PERMIT_INSERT: LiteralString = """INSERT INTO celery_fenced_lease
+      (`key`, token, owner, task_id, task_name, acquired_at, renewed_at, expires_at,
+       released_at, reclaimed_from, job, reclaim_attempts, reclaim_state,
+       reclaim_claimed_at, completed_digest, release_state, permits, permit_job)
+    SELECT p.`key`, h.token + NEXTVAL(celery_fenced_permit_token), %(owner)s, %(task_id)s,
+           %(task_name)s, p.now, p.now, p.now + INTERVAL %(us)s MICROSECOND, NULL, '',
+           %(job)s, 0, '', NULL, '', '', 0, %(permit_job)s
+    FROM (SELECT l.`key`, SYSDATE(6) AS now
+          FROM celery_fenced_lease l FORCE INDEX (celery_fenced_lease_key_uniq)
+          WHERE l.`key` >= %(first)s AND l.`key` < %(after)s AND l.released_at IS NOT NULL
+          ORDER BY l.`key` LIMIT 1 FOR UPDATE SKIP LOCKED) p
+    JOIN (SELECT token FROM celery_fenced_lease
+          WHERE `key` = %(key)s AND permits = %(limit)s AND released_at IS NOT NULL) h
+"""
+_PERMIT_NOT_HELD: LiteralString = """    WHERE (%(permit_job)s IS NULL OR NOT EXISTS (
+        SELECT 1 FROM celery_fenced_lease s
+        WHERE s.permit_job_unreleased = %(permit_job)s))
+"""
+#: the job (``%(digest)s``, ``%(retries)s``) not completed within the last ``%(window_us)s``
+#: microseconds, under the key or any of its permits, nor moved to ``Completion``
+_PERMIT_NOT_COMPLETED: LiteralString = """      AND NOT EXISTS (
+        SELECT 1 FROM celery_fenced_lease m
+        WHERE (m.`key` = %(key)s OR (m.`key` >= %(first)s AND m.`key` < %(after)s))
+          AND m.completed_digest = %(digest)s AND m.completed_retries >= %(retries)s
+          AND m.completed_at > CURRENT_TIMESTAMP(6) - INTERVAL %(window_us)s MICROSECOND)
+      AND NOT EXISTS (
+        SELECT 1 FROM celery_fenced_completion c
+        WHERE c.digest = %(digest)s AND c.retries >= %(retries)s
+          AND c.completed_at > CURRENT_TIMESTAMP(6) - INTERVAL %(window_us)s MICROSECOND)
+"""
+_PERMIT_GRANTED: LiteralString = """    ON DUPLICATE KEY UPDATE
+        token = VALUES(token), owner = VALUES(owner),
+        task_id = VALUES(task_id), task_name = VALUES(task_name),
+        acquired_at = VALUES(acquired_at), renewed_at = VALUES(renewed_at),
+        expires_at = VALUES(expires_at), released_at = NULL, reclaimed_from = '',
+        job = VALUES(job), reclaim_attempts = 0, reclaim_state = '',
+        reclaim_claimed_at = NULL, release_state = '', permit_job = VALUES(permit_job)
+    RETURNING id, token, expires_at, completed_digest, `key`"""
+#: keyed by whether the grant looks for a completed duplicate first
+GRANT_PERMIT: Mapping[bool, LiteralString] = {
+    False: _PERMIT_INSERT + _PERMIT_NOT_HELD + _PERMIT_GRANTED,
+    True: _PERMIT_INSERT + _PERMIT_NOT_HELD + _PERMIT_NOT_COMPLETED + _PERMIT_GRANTED,
+}
+
+# -- name: permit_token --
+# MariaDB: a permit's token, the head's floor (``%(floor)s``) plus the sequence's next value.
+PERMIT_TOKEN: LiteralString = "SELECT %(floor)s + NEXTVAL(celery_fenced_permit_token)"
