@@ -696,3 +696,19 @@ def test_tracer__reclaimed_permit__resent_job_takes_it_back_and_runs_once(
     a.finish()
     assert status(lease_db, "a") == ("SUCCESS", f'"a@{row.token}"')
     assert reclaim_expired(app, grace=0, using=lease_db) == []
+
+
+def test_postgresql__sequence_made_again__permit_tokens_stay_above_earlier_ones() -> None:
+    """The permits' sequence made again at 1 (0007 reversed and applied again) is moved
+    past every token issued when the migrations after it apply: no permit token comes
+    again."""
+    from django.core.management import call_command
+
+    for _ in range(3):
+        acquire("k", ttl=30, limit=2, using="postgres").release()
+    before = max(Lease.objects.using("postgres").values_list("token", flat=True))
+    with connections["postgres"].cursor() as cursor:  # what reversing 0007 leaves behind
+        cursor.execute("ALTER SEQUENCE celery_fenced_permit_token RESTART WITH 1")
+    call_command("migrate", "celery_fenced", "0015", database="postgres", verbosity=0)
+    call_command("migrate", "celery_fenced", database="postgres", verbosity=0)
+    assert acquire("k", ttl=30, limit=2, using="postgres").token > before
