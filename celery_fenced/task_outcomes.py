@@ -147,16 +147,22 @@ class Outcomes(FencedOptions):
     def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
         """The body learned its grant is gone, or a write it made was refused.
 
-        When the database confirms that the grant merely expired and nobody has taken
-        over, the job is retried at once with the same task id (the retry reclaims the key
-        with a higher token), so a pause does not end the job as a failure. Otherwise the
-        error stands: a row that holds a newer token (refused by ``fenced_update`` while
-        the grant is still current) fails the task with :class:`StaleToken` and releases
-        the grant; the result backend stores nothing over a newer execution of the same
-        task id, and fails the task with :class:`StaleToken` when another job holds the
-        key.
+        When the database confirms that nobody has taken over and nobody ended the grant
+        (its token is still the key's, unreleased), the job is retried at once with the
+        same task id (the retry reclaims the key with a higher token), so a pause does not
+        end the job as a failure. A grant lost to this execution (:class:`LeaseLost`, or
+        its own token refused: :class:`StaleToken` naming no newer one) counts whether
+        or not it has expired by the time this is asked: a renewal sent before the expiry
+        may reach the row after the proof that refused the token, and the local deadline
+        comes a moment before the database's; a grant still running is made to expire.
+        Otherwise the error stands: a row that holds a newer token (refused by
+        ``fenced_update`` while the grant is still current) fails the task with
+        :class:`StaleToken` and releases the grant; the result backend stores nothing over
+        a newer execution of the same task id, and fails the task with
+        :class:`StaleToken` when another job holds the key.
         """
-        if store.expired_unclaimed(lease):
+        own_grant = isinstance(exc, LeaseLost) or exc.current is None
+        if store.end_unclaimed(lease) if own_grant else store.expired_unclaimed(lease):
             logger.warning(
                 "task %s[%s]: lease %r expired under token %s with no successor; retrying",
                 self.name,

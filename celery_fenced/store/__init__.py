@@ -42,6 +42,7 @@ from celery_fenced.store.fenced import (
 from celery_fenced.store.grants import (
     acquire,
     database_now,
+    end_unclaimed,
     estimated_rows,
     expire,
     expired_unclaimed,
@@ -128,6 +129,7 @@ __all__ = [
     "delete_completions_before",
     "delete_events_before",
     "end_claimed",
+    "end_unclaimed",
     "estimated_rows",
     "expire",
     "expired_rows",

@@ -265,6 +265,19 @@ def expired_unclaimed(lease: HeldLease) -> bool:
     return dialects.for_alias(lease.alias).expired_unclaimed(lease.key, lease.token)
 
 
+def end_unclaimed(lease: HeldLease) -> bool:
+    """True when ``lease``'s token is still its key's and was never released: nobody took
+    over and nobody ended it. A grant that has not expired by the database's clock is
+    made to expire now (unreleased: its job is not done), so that a retry of its job can
+    take the key at once with a higher token.
+
+    For a holder that learned its grant is gone while the row says it still runs: its
+    local deadline came a moment before the database's, or a renewal sent before the
+    expiry reached the row after a proof had refused the token.
+    """
+    return dialects.for_alias(lease.alias).end_unclaimed(lease.key, lease.token)
+
+
 def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
     """``(task_id, ended)`` of ``key``'s current or last grant, or None."""
     row = (

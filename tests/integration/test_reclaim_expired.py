@@ -236,16 +236,16 @@ def test_lost_grant_retry_racing_the_revoke__writes_no_retry_over_revoked(
     a = Execution(app, message, "A")
     expire(lease_db, granted(lease_db, task_id, 1))
     until_expired(lease_db, moment)
-    real = store.expired_unclaimed
+    real = store.end_unclaimed
     revoked: list[str] = []
 
-    def expired_unclaimed(lease: Any) -> bool:
+    def end_unclaimed(lease: Any) -> bool:
         unclaimed = real(lease)
         # the reclaimer runs between the holder's check and its RETRY
         revoked.extend(o.action for o in reclaim_expired(app, grace=0, using=lease_db))
         return unclaimed
 
-    monkeypatch.setattr(store, "expired_unclaimed", expired_unclaimed)
+    monkeypatch.setattr(store, "end_unclaimed", end_unclaimed)
     a.finish()
     assert revoked == ["revoked"]
     assert status(lease_db, task_id)[0] == "REVOKED"

@@ -95,6 +95,10 @@ class DialectBase(abc.ABC):
         """See :meth:`.GrantReads.expired_unclaimed`."""
         return self.grants.expired_unclaimed(key, token)
 
+    def end_unclaimed(self, key: str, token: int) -> bool:
+        """See :meth:`.GrantReads.end_unclaimed`."""
+        return self.grants.end_unclaimed(key, token)
+
     def expired_unfinished(
         self, *, grace: float, resend_after: float, max_attempts: int, limit: int
     ) -> list[Claim]:

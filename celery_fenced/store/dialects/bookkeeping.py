@@ -153,6 +153,20 @@ class GrantReads:
             .exists()
         )
 
+    def end_unclaimed(self, key: str, token: int) -> bool:
+        """Whether ``token`` is still ``key``'s unreleased grant; if it has not expired
+        by the DB clock, it expires now (nothing else changes: the key is free for a
+        grant with a higher token)."""
+        rows = Lease._default_manager.using(self.alias).filter(
+            key=key, token=token, released_at__isnull=True
+        )
+        with transaction.atomic(using=self.alias):
+            # the write first: it takes SQLite's write lock, PostgreSQL's and MariaDB's
+            # row lock of a grant still running; the read then locks an expired one
+            now = self.now()
+            rows.filter(expires_at__gt=now).update(expires_at=now)
+            return rows.select_for_update().values_list("pk", flat=True).first() is not None
+
 
 class Claims:
     """The reclaimer's bookkeeping on the lease rows of ``alias``: dry runs, undone claims,

@@ -93,6 +93,9 @@ class Dialect(Protocol):
     def expired_unclaimed(self, key: str, token: int) -> bool:
         """Whether ``token`` is ``key``'s grant, unreleased and expired by the DB clock."""
 
+    def end_unclaimed(self, key: str, token: int) -> bool:
+        """Whether ``token`` is still ``key``'s unreleased grant (expired now if running)."""
+
     # -- completed duplicates ----------------------------------------------------------
     def completed(self, key: str, delivery: Delivery, window: float) -> bool:
         """Whether ``delivery``'s job completed within the last ``window`` seconds.
