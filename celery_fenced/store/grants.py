@@ -267,9 +267,9 @@ def expired_unclaimed(lease: HeldLease) -> bool:
 
 def end_unclaimed(lease: HeldLease) -> bool:
     """True when ``lease``'s token is still its key's and was never released: nobody took
-    over and nobody ended it. A grant that has not expired by the database's clock is
-    made to expire now (unreleased: its job is not done), so that a retry of its job can
-    take the key at once with a higher token.
+    over and nobody ended it. Its expiry goes back to its last renewal (unreleased: its
+    job is not done), so that a retry of its job can take the key at once with a higher
+    token, and a renewal already on its way renews nothing.
 
     For a holder that learned its grant is gone while the row says it still runs: its
     local deadline came a moment before the database's, or a renewal sent before the

@@ -189,3 +189,20 @@ def test_row_holding_a_newer_token__still_fails_while_the_grant_is_current(
     deliver(app, message)
     assert status(lease_db, message[0]["id"])[0] == "FAILURE"
     assert len(lostexp.sent("lostexp.configured")) == 1
+
+
+def test_end_unclaimed__expiry_back_to_the_last_renewal__a_renewal_on_its_way_renews_nothing(
+    lease_db: str,
+) -> None:
+    """The grant a holder gives up expires at its last renewal, not at the moment it is
+    given up: a renewal sent after that last one — already on its way, its statement's
+    time before this moment — finds it expired, so the retry's grant is not held off by
+    the old token for another ttl."""
+    from celery_fenced import acquire, store
+
+    lease = acquire("lostexp:renewal-on-its-way", ttl=30, using=lease_db)
+    assert store.end_unclaimed(lease)
+    row = Lease.objects.using(lease_db).get(key=lease.key)
+    assert row.released_at is None
+    assert row.token == lease.token
+    assert row.expires_at == row.renewed_at  # no instant after the last renewal is covered

@@ -154,17 +154,22 @@ class GrantReads:
         )
 
     def end_unclaimed(self, key: str, token: int) -> bool:
-        """Whether ``token`` is still ``key``'s unreleased grant; if it has not expired
-        by the DB clock, it expires now (nothing else changes: the key is free for a
-        grant with a higher token)."""
+        """Whether ``token`` is still ``key``'s unreleased grant; its expiry is moved back
+        to its last renewal (nothing else changes: the key is free for a grant with a
+        higher token).
+
+        Back to the last renewal, not to now: a renewal already on its way was sent after
+        that one, so its statement's time is later, and it finds the grant expired — set
+        to now, a renewal whose statement began a moment earlier but reached the row
+        after this would move the expiry forward again.
+        """
         rows = Lease._default_manager.using(self.alias).filter(
             key=key, token=token, released_at__isnull=True
         )
         with transaction.atomic(using=self.alias):
             # the write first: it takes SQLite's write lock, PostgreSQL's and MariaDB's
-            # row lock of a grant still running; the read then locks an expired one
-            now = self.now()
-            rows.filter(expires_at__gt=now).update(expires_at=now)
+            # row lock; the read then locks a row the write did not change
+            rows.filter(expires_at__gt=F("renewed_at")).update(expires_at=F("renewed_at"))
             return rows.select_for_update().values_list("pk", flat=True).first() is not None
 
 
