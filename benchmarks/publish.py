@@ -11,6 +11,10 @@ And the cost of ``lease_unique``: a unique job's publish (a new key each
 call) against the fenced one, and a refused copy (the same key again) against what
 celery-once does instead — a Redis ``SET key NX EX`` at publish, the message sent when it
 is set — for a new key and for a refused one.
+And the floor of a fenced publish: the very statement the store sends for the outbox row
+(captured from it at the start, its task id a slot), sent raw on a psycopg connection
+that prepares it, then the plain message — what is left when the package's own Python
+is taken away.
 Nobody consumes the queue; it is deleted after.
 """
 
@@ -21,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from statistics import median
 from typing import Any
+from unittest import mock
 
 from benchmarks.common import Context, Line
 from devtools.workers import configure
@@ -69,6 +74,8 @@ def run(ctx: Context) -> list[Line]:
 
         return publish
 
+    floor = _floor(ctx, fenced, plain, queue)
+
     def unique_publish(refused: bool) -> Callable[[int], None]:
         def publish(n: int) -> None:
             unique.apply_async(args=(0 if refused else next(offset) + 1,), queue=queue)
@@ -78,6 +85,7 @@ def run(ctx: Context) -> list[Line]:
     variants = {
         "plain": outside(plain),
         "fenced": outside(fenced),
+        "floor": floor,
         "unique": unique_publish(refused=False),
         "unique refused": unique_publish(refused=True),
         "once": once(plain, refused=False),
@@ -128,6 +136,17 @@ def run(ctx: Context) -> list[Line]:
             1.50,
         ),
         line(
+            "the same, fenced vs its floor: the outbox row's own statement sent raw, "
+            "prepared, then the plain message",
+            "fenced",
+            "floor",
+        ),
+        line(
+            "the floor vs plain: the outbox row's round trip alone",
+            "floor",
+            "plain",
+        ),
+        line(
             "in a web request's transaction (one row of its own): fenced (its row in it, "
             "sent on commit) vs plain sent by transaction.on_commit",
             "fenced in tx",
@@ -152,3 +171,38 @@ def run(ctx: Context) -> list[Line]:
             3.0,
         ),
     ]
+
+
+def _floor(ctx: Context, fenced: Any, plain: Any, queue: str) -> Callable[[int], None]:
+    """The floor of a fenced publish outside a transaction: the statements the store sends
+    for one (captured while it publishes a probe), sent raw and prepared with a new task
+    id each time, then the plain task's message."""
+    import psycopg
+
+    from celery_fenced.store import dialects
+
+    probe = uuid.uuid4().hex
+    log: list[tuple[str, dict[str, Any]]] = []
+    fetch = dialects.SQLDialect._fetch
+
+    def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
+        log.append((sql, dict(params)))
+        return fetch(self, sql, params)
+
+    with mock.patch.object(dialects.SQLDialect, "_fetch", recording):
+        fenced.apply_async(args=[0], queue=queue, task_id=probe)
+    if not log or not any(probe in str(v) for _, params in log for v in params.values()):
+        raise RuntimeError("the fenced publish sent no statement naming its task id")
+    connection = psycopg.connect(ctx.conninfo(), autocommit=True, prepare_threshold=0)
+
+    def publish(n: int) -> None:
+        task_id = uuid.uuid4().hex
+        for sql, params in log:
+            filled = {
+                k: v.replace(probe, task_id) if isinstance(v, str) else v
+                for k, v in params.items()
+            }
+            connection.execute(sql, filled).fetchall()
+        plain.apply_async(args=[n], queue=queue, task_id=task_id)
+
+    return publish

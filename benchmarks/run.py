@@ -64,7 +64,7 @@ def prepare(ctx: Context) -> None:
     from django.db import connections
 
     if ctx.mariadb:
-        import MySQLdb
+        import MySQLdb  # type: ignore[import-untyped]
 
         server = MySQLdb.connect(
             host=ctx.mariadb["FENCED_MARIADB_HOST"],
