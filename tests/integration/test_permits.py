@@ -531,6 +531,60 @@ def test_concurrent_deliveries_of_one_job__one_permit_granted(alias: str) -> Non
     assert (len(granted), len(busy)) == (1, 5)
 
 
+@pytest.mark.parametrize("limit", [1, 3])
+@pytest.mark.parametrize("race_alias", ["postgres", "mariadb"])
+def test_racing_grants__releases_expiries_forced_releases__tokens_only_go_up(
+    race_alias: str, limit: int
+) -> None:
+    """Six threads grant permits of one key (plain and a job's, ending its outbox row or
+    not; at the limit, one above, one below), then release, expire or force-release them:
+    every grant's token is above every permit token committed before it was asked for,
+    whichever path (one statement, or the transaction) granted it."""
+    acquire("u", ttl=30, limit=limit, task_id="warm", using=race_alias).release()
+    rows = Lease.objects.using(race_alias).filter(key__startswith="u" + permits.SEPARATOR)
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for n in range(20):
+                before = max(rows.values_list("token", flat=True))
+                wanted = max(limit + n % 3 - 1, 1) if n % 4 == 0 else limit
+                job = f"t{i}-{n}"
+                try:
+                    lease = store.grant(
+                        "u",
+                        ttl=30,
+                        limit=wanted,
+                        task_id=job,
+                        delivery=Delivery(job, f"d-{job}", 0) if n % 2 else None,
+                        ends_pending=n % 4 == 1,
+                        using=race_alias,
+                    )
+                except LeaseBusy:
+                    continue
+                if lease.token <= before:
+                    wrong.append(f"{lease.key}: {lease.token} after {before}")
+                if n % 3 == 0:
+                    lease.release()
+                elif n % 3 == 1:
+                    expire(race_alias, lease.key)
+                else:
+                    store.force_release(lease.key, using=race_alias)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    assert wrong == []
+
+
 @pytest.mark.parametrize(
     ("tasks", "default", "fragment"),
     [

@@ -288,6 +288,69 @@ def test_the_same_task_id_again__its_row_takes_the_key_not_refused_as_a_copy(
     assert publish(broker, 7) == first  # and a new call is refused with its id
 
 
+def test_the_same_task_id_again_holding_its_key__its_row_started_afresh(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    """Published again with its own task id while its row holds the key: not a copy of
+    itself, and its row starts afresh (its new ETA, no sends yet) on every database."""
+    first = publish(broker, 7)
+    PendingJob.objects.using(lease_db).update(sends=3)
+    assert publish(broker, 7, task_id=first, countdown=1000) == first
+    (row,) = pending(lease_db)
+    assert (row.unique_key, row.sends, row.eta is not None) == ("report:7", 0, True)
+    assert deduplicated(lease_db) == []
+
+
+class _RolledBack(Exception):
+    pass
+
+
+def test_concurrent_publishers_in_transactions_some_rolled_back__one_event_per_refusal(
+    broker: Broker, lease_db: str, unique: str
+) -> None:
+    """Ten publishers of one key, each in its own transaction, every third rolled back:
+    one copy stands, every committed refusal names it and left exactly one
+    ``deduplicated`` event, a rolled-back one none. (PostgreSQL: on MariaDB a waiting
+    insert whose key's other inserter rolls back can end in a deadlock, 1213.)"""
+    if connections[lease_db].vendor != "postgresql":
+        pytest.skip("SQLite runs one writer at a time; MariaDB: see the docstring")
+    done: list[tuple[str, str, bool]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(10)
+
+    def one(i: int) -> None:
+        own = f"c{i}"
+        try:
+            start.wait(30)
+            try:
+                with transaction.atomic(using=lease_db):
+                    got = publish(broker, 7, task_id=own)
+                    if i % 3 == 0:
+                        raise _RolledBack
+                done.append((own, got, True))
+            except _RolledBack:
+                done.append((own, got, False))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    committed = [(own, got) for own, got, kept in done if kept]
+    recorded = [own for own, got in committed if own == got]
+    refused = [own for own, got in committed if own != got]
+    assert [row.task_id for row in pending(lease_db)] == recorded
+    assert len(recorded) == 1
+    assert {got for own, got in committed} == set(recorded)
+    events = deduplicated(lease_db)
+    assert sorted(event.detail["refused_task_id"] for event in events) == sorted(refused)
+
+
 @pytest.fixture
 def until_done(broker: Broker) -> Iterator[Any]:
     task = broker.app.tasks["seams.keyed"]

@@ -135,8 +135,9 @@ class PostgreSQL(SQLDialect):
         by a conditional ``DELETE`` and the insert tried again. The recorded copy's key
         gets its lease row (token 0, never granted) in the same statement, before any
         worker can grant it, so a refused call only adds an event to it. A retry's
-        publish, and a conflict on the task id (a row of the same job recorded without
-        the key), take the portable path."""
+        publish, a conflict on the task id (a row of the same job recorded without the
+        key), and the same task id again (its row restarted, as on every database) take
+        the portable path."""
         if pending.same_job:
             return self._record_unique_portably(pending)
         fields = {
@@ -149,8 +150,10 @@ class PostgreSQL(SQLDialect):
             if not rows:
                 break  # a conflict on the task id: the same job's row, without the key
             recorded, task_id, is_ended, token, owner = rows[0]
-            if recorded or task_id == pending.task_id:
-                return str(task_id)  # recorded (or this very job, recorded before)
+            if recorded:
+                return str(task_id)
+            if task_id == pending.task_id:  # this very job, recorded before: started afresh
+                return self._record_unique_portably(pending)
             if not is_ended:
                 if owner is None:  # the key's row is being created, not yet visible
                     return Deduplicated(
