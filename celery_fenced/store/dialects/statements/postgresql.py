@@ -314,7 +314,7 @@ _PERMIT_COMPLETED: LiteralString = (
 )
 # the first ``%(limit)s`` permits' names (``%(names)s``) come from the caller: the statement
 # plans as a few index lookups. ``free``: the permits this job may take, as the snapshot
-# shows them (read once: the statement's answer when it grants none, ``_PERMIT_LOST``)
+# shows them (read once: the statement's answer when it grants none, ``_PERMIT_OR_LOST``)
 _PERMIT_START: LiteralString = """WITH clock AS MATERIALIZED (  -- read after the snapshot
         SELECT clock_timestamp() AS now),
     head AS (
@@ -374,13 +374,12 @@ _PERMIT_SET: LiteralString = """
 _PERMIT_UNCHANGED: LiteralString = """
           AND l.xmin = (SELECT s.xmin FROM celery_fenced_lease s WHERE s.id = pick.id)
         RETURNING l.id, l.token, l.expires_at, l.reclaimed_from, l.completed_digest, l.key)"""
-#: none granted though the snapshot shows a permit this job may take: another statement
-#: locked it first (``SKIP LOCKED``) or changed it since the snapshot (``_PERMIT_UNCHANGED``);
-#: a row of NULLs says so, and a new statement (a new snapshot) may find one free
-_PERMIT_LOST: LiteralString = """
-    UNION ALL
-    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL
-    WHERE EXISTS (SELECT 1 FROM free) AND NOT EXISTS (SELECT 1 FROM granted)"""
+#: one row when the snapshot shows a permit this job may take (none: none free, the job
+#: completed, or it holds another): the grant's, or NULLs when another statement locked
+#: that permit first (``SKIP LOCKED``) or changed it since the snapshot
+#: (``_PERMIT_UNCHANGED``) — a new statement (a new snapshot) may find one free
+_PERMIT_OR_LOST: LiteralString = """
+    FROM (SELECT FROM free LIMIT 1) f LEFT JOIN granted g ON true"""
 #: the routine grant: the lowest released permit, no takeover (so no displaced job), its
 #: ``acquired`` event only with routine events
 _PERMIT_ROUTINE_GRANT: LiteralString = (
@@ -459,10 +458,9 @@ _PERMIT_GRANT: LiteralString = (
 )
 _PERMIT_SELECT: LiteralString = (
     """
-    SELECT id, token, expires_at, reclaimed_from, completed_digest, key,
-           (SELECT p.expires_at FROM celery_fenced_lease p WHERE p.id = granted.id)
-    FROM granted"""
-    + _PERMIT_LOST
+    SELECT g.id, g.token, g.expires_at, g.reclaimed_from, g.completed_digest, g.key,
+           (SELECT p.expires_at FROM celery_fenced_lease p WHERE p.id = g.id)"""
+    + _PERMIT_OR_LOST
 )
 _PERMIT: LiteralString = _PERMIT_HEAD + _PERMIT_GRANT
 _PERMIT_UC: LiteralString = _PERMIT_HEAD + _PERMIT_COMPLETED + _PERMIT_GRANT
@@ -482,9 +480,9 @@ GRANT_PERMIT: Mapping[tuple[str, bool], LiteralString] = {
 
 _PERMIT_ROUTINE_SELECT: LiteralString = (
     """
-    SELECT id, token, expires_at, reclaimed_from, completed_digest, key, NULL::timestamptz
-    FROM granted"""
-    + _PERMIT_LOST
+    SELECT g.id, g.token, g.expires_at, g.reclaimed_from, g.completed_digest, g.key,
+           NULL::timestamptz"""
+    + _PERMIT_OR_LOST
 )
 _PERMIT_ROUTINE: LiteralString = _PERMIT_ROUTINE_HEAD + _PERMIT_ROUTINE_GRANT
 _PERMIT_ROUTINE_UC: LiteralString = (
