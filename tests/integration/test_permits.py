@@ -362,6 +362,56 @@ def test_postgresql__a_released_permit__granted_without_the_takeovers_tables() -
     assert "generate_series" not in statement
 
 
+def test_postgresql__a_grant_that_lost_the_race_for_a_free_permit__runs_again() -> None:
+    """The key's one free permit is locked by another transaction (a grant of it not
+    committed yet) when the routine statement runs: it grants none, and says it lost a
+    race. The same statement runs again, from a new snapshot (the lock gone by then, here
+    rolled back), and grants it: not the takeover's statement, nor the transaction."""
+    from django.test.utils import CaptureQueriesContext
+
+    from tests.integration.test_store import data_statements
+
+    acquire("k", ttl=30, limit=1, using="postgres").release()
+    other = connections.create_connection("postgres")
+    try:
+        other.set_autocommit(False)
+        with other.cursor() as cursor:
+            cursor.execute(
+                "SELECT id FROM celery_fenced_lease WHERE key = %s FOR UPDATE",
+                [permits.permit_key("k", 0)],
+            )
+
+        def then_unlock(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+            try:
+                return execute(sql, params, many, context)
+            finally:
+                other.rollback()  # after the first statement: the later ones find it free
+
+        with (
+            connections["postgres"].execute_wrapper(then_unlock),
+            CaptureQueriesContext(connections["postgres"]) as queries,
+        ):
+            lease = acquire("k", ttl=30, limit=1, using="postgres")
+    finally:
+        other.rollback()
+        other.close()
+    first, again = data_statements(queries)
+    assert first == again
+    assert "celery_fenced_leaseevent" not in again  # the routine grant's statement
+    assert lease.key == permits.permit_key("k", 0)
+
+
+def test_postgresql__all_permits_held__busy_without_running_the_grant_again() -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    held = acquire("k", ttl=30, limit=1, using="postgres")
+    with CaptureQueriesContext(connections["postgres"]) as queries, pytest.raises(LeaseBusy):
+        acquire("k", ttl=30, limit=1, using="postgres")
+    statements = [q["sql"] for q in queries.captured_queries]
+    assert sum(s.startswith("WITH clock AS MATERIALIZED") for s in statements) == 2
+    assert held.release()
+
+
 def test_mariadb__a_free_permit_granted_in_one_statement__released_in_one() -> None:
     from django.test.utils import CaptureQueriesContext
 

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from typing_extensions import LiteralString
 
 
+#: how many times a permit's one-statement grant runs while it loses races for free permits
+PERMIT_RACES = 8
+
+
 def result_lock(task_id: str) -> str:
     """The name of ``task_id``'s advisory result lock."""
     return f"celery_fenced.result:{task_id}"
@@ -177,6 +181,12 @@ class PostgreSQL(SQLDialect):
         token is the head's floor plus the next value of a sequence — distinct, in the
         order the grants take them, above every token the key had before its permits.
 
+        A statement that grants none though its snapshot shows a permit this job may take
+        lost a race for it (another statement locked it first, or changed it since the
+        snapshot): it says so with a row of NULLs and runs again, from a new snapshot,
+        up to :data:`PERMIT_RACES` times, rather than queue on the transaction's path,
+        whose locks on every permit row would make the acquirers around it lose too.
+
         The grant's times (``acquired_at``, its expiry, its event) are the clock read once,
         after the statement took its snapshot: ``statement_timestamp()`` is older than the
         snapshot, and a release committed in between is seen — the grant must not start
@@ -186,11 +196,16 @@ class PostgreSQL(SQLDialect):
         unless_completed, fields = self._grant_fields(request)
         fields["names"] = [permits.permit_key(request.key, i) for i in range(request.limit)]
         end = _pending_end(request)
-        rows = self._unless_conflicting(
-            sql.GRANT_PERMIT_ROUTINE[request.routine_events, end, unless_completed], fields
-        ) or self._unless_conflicting(sql.GRANT_PERMIT[end, unless_completed], fields)
-        if rows:
+        routine = request.routine_events, end, unless_completed
+        for _attempt in range(PERMIT_RACES):
+            rows = self._unless_conflicting(sql.GRANT_PERMIT_ROUTINE[routine], fields)
+            if not rows:
+                rows = self._unless_conflicting(sql.GRANT_PERMIT[end, unless_completed], fields)
+            if not rows:
+                break  # none free for this job as the snapshot shows it: the transaction
             lease_id, token, expires_at, reclaimed_from, marker, key, before = rows[0]
+            if lease_id is None:
+                continue  # lost a race for a free permit: a new snapshot may show another
             previous = aware(before) if reclaimed_from and before is not None else None
             return Grant(lease_id, token, aware(expires_at), reclaimed_from, marker, key, previous)
         return self.pending.ending_with_grant(request, self.permits.grant)

@@ -313,13 +313,14 @@ _PERMIT_COMPLETED: LiteralString = (
     + ")"
 )
 # the first ``%(limit)s`` permits' names (``%(names)s``) come from the caller: the statement
-# plans as a few index lookups
+# plans as a few index lookups. ``free``: the permits this job may take, as the snapshot
+# shows them (read once: the statement's answer when it grants none, ``_PERMIT_OR_LOST``)
 _PERMIT_START: LiteralString = """WITH clock AS MATERIALIZED (  -- read after the snapshot
         SELECT clock_timestamp() AS now),
     head AS (
         SELECT token, permits FROM celery_fenced_lease
         WHERE key = %(key)s AND permits >= %(limit)s AND released_at IS NOT NULL),
-    pick AS (
+    free AS MATERIALIZED (
         SELECT p.id FROM celery_fenced_lease p
         WHERE p.key = ANY(%(names)s::text[]) AND EXISTS (SELECT 1 FROM head)
           AND """
@@ -344,11 +345,17 @@ _PERMIT_HEAD: LiteralString = _PERMIT_START + _PERMIT_FREE + _PERMIT_ABOVE
 _PERMIT_ROUTINE_HEAD: LiteralString = (
     _PERMIT_START + _PERMIT_RELEASED + "\n          AND (SELECT permits FROM head) = %(limit)s"
 )
+#: the end of ``free``, and ``pick``: one of them locked, its row checked again at its
+#: latest version (the condition that follows)
 _PERMIT_NOT_HELD: LiteralString = """
           AND NOT EXISTS (  -- this job holds another permit of the key
               SELECT 1 FROM celery_fenced_lease s
               WHERE s.permit_job = md5(%(key)s::text || chr(31) || %(task_id)s::text)
-                AND s.released_at IS NULL AND s.id <> p.id)"""
+                AND s.released_at IS NULL AND s.id <> p.id)),
+    pick AS (
+        SELECT p.id FROM celery_fenced_lease p
+        WHERE p.id IN (SELECT f.id FROM free f)
+          AND """
 #: the new grant's columns every permit grant sets
 _PERMIT_SET: LiteralString = """
             token = (SELECT token FROM head) + nextval('celery_fenced_permit_token'),
@@ -367,10 +374,17 @@ _PERMIT_SET: LiteralString = """
 _PERMIT_UNCHANGED: LiteralString = """
           AND l.xmin = (SELECT s.xmin FROM celery_fenced_lease s WHERE s.id = pick.id)
         RETURNING l.id, l.token, l.expires_at, l.reclaimed_from, l.completed_digest, l.key)"""
+#: one row when the snapshot shows a permit this job may take (none: none free, the job
+#: completed, or it holds another): the grant's, or NULLs when another statement locked
+#: that permit first (``SKIP LOCKED``) or changed it since the snapshot
+#: (``_PERMIT_UNCHANGED``) — a new statement (a new snapshot) may find one free
+_PERMIT_OR_LOST: LiteralString = """
+    FROM (SELECT FROM free LIMIT 1) f LEFT JOIN granted g ON true"""
 #: the routine grant: the lowest released permit, no takeover (so no displaced job), its
 #: ``acquired`` event only with routine events
 _PERMIT_ROUTINE_GRANT: LiteralString = (
     _PERMIT_NOT_HELD
+    + _PERMIT_RELEASED
     + """
         ORDER BY p.id
         LIMIT 1 FOR UPDATE SKIP LOCKED),
@@ -394,6 +408,7 @@ _PERMIT_ACQUIRED: LiteralString = (
 )
 _PERMIT_GRANT: LiteralString = (
     _PERMIT_NOT_HELD
+    + _PERMIT_FREE
     + """
         -- this job's own expired permit, else a released one before an expired one (a
         -- paused holder is not displaced while one is free)
@@ -441,10 +456,12 @@ _PERMIT_GRANT: LiteralString = (
         WHERE g.reclaimed_from <> '' OR %(routine_events)s)"""
     + _DISPLACED_BY_ID
 )
-_PERMIT_SELECT: LiteralString = """
-    SELECT id, token, expires_at, reclaimed_from, completed_digest, key,
-           (SELECT p.expires_at FROM celery_fenced_lease p WHERE p.id = granted.id)
-    FROM granted"""
+_PERMIT_SELECT: LiteralString = (
+    """
+    SELECT g.id, g.token, g.expires_at, g.reclaimed_from, g.completed_digest, g.key,
+           (SELECT p.expires_at FROM celery_fenced_lease p WHERE p.id = g.id)"""
+    + _PERMIT_OR_LOST
+)
 _PERMIT: LiteralString = _PERMIT_HEAD + _PERMIT_GRANT
 _PERMIT_UC: LiteralString = _PERMIT_HEAD + _PERMIT_COMPLETED + _PERMIT_GRANT
 
@@ -461,9 +478,12 @@ GRANT_PERMIT: Mapping[tuple[str, bool], LiteralString] = {
     ("stamp", True): _PERMIT_UC + _STAMP_PENDING + _PERMIT_SELECT,
 }
 
-_PERMIT_ROUTINE_SELECT: LiteralString = """
-    SELECT id, token, expires_at, reclaimed_from, completed_digest, key, NULL::timestamptz
-    FROM granted"""
+_PERMIT_ROUTINE_SELECT: LiteralString = (
+    """
+    SELECT g.id, g.token, g.expires_at, g.reclaimed_from, g.completed_digest, g.key,
+           NULL::timestamptz"""
+    + _PERMIT_OR_LOST
+)
 _PERMIT_ROUTINE: LiteralString = _PERMIT_ROUTINE_HEAD + _PERMIT_ROUTINE_GRANT
 _PERMIT_ROUTINE_UC: LiteralString = (
     _PERMIT_ROUTINE_HEAD + _PERMIT_COMPLETED + _PERMIT_ROUTINE_GRANT
