@@ -23,11 +23,10 @@ ROWS = (
 
 
 def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
-    from benchmarks.e2e import _lines
+    from benchmarks.e2e import VARIANTS, _lines
     from benchmarks.report import svg
 
-    names = ("plain", "fenced", "fenced-all", "fenced-reuse", "plain-reuse", "redis-lock")
-    times = {name: [1.0, 1.0] for name in (*names, "plain-acks-late-reuse")}
+    times = {variant.name: [1.0, 1.0] for variant in VARIANTS}
     cpu = {name: [0.0, 0.0] for name in times}  # a smoke batch can take 0 CPU ticks
     cpu["fenced"] = [0.02, 0.0]
     counts = {"plain": {"total": 3, "data": 2, "control": 1}}

@@ -525,6 +525,7 @@ def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -
     settings.DATABASE_ROUTERS = ["tests.routers.AllToTarget"]
     connection = settling_connection("postgres")
     options = connection.settings_dict.setdefault("OPTIONS", {})
+    previous = dict(options)  # the kept connection's own (``fenced_prepare``), restored
     connection.close()
     options["server_side_binding"] = True
     try:
@@ -544,7 +545,8 @@ def test_fenced_success__one_statement_with_server_side_binding(settings: Any) -
         assert stored.date_done is not None
     finally:
         connection.close()
-        options.pop("server_side_binding")
+        options.clear()
+        options.update(previous)
         routers.TARGET = "default"
 
 
