@@ -87,8 +87,7 @@ class FencedSettings:
     #: a worker grants and stores successes on PostgreSQL over a connection of its own,
     #: kept open between tasks (:mod:`celery_fenced.store.owned`); False: Django's
     keep_connection: bool = True
-    #: the statements on that kept connection are prepared on the server (psycopg's
-    #: server-side binding and prepared statements); False: sent as plain queries
+    #: that kept connection prepares its statements on the server; False: plain queries
     prepare: bool = True
     #: record fenced jobs at publish and send them on commit (the outbox)
     outbox: bool = True
@@ -96,8 +95,7 @@ class FencedSettings:
     outbox_resend_after: float = 300.0
     #: permits per key of tasks that set no ``lease_limit`` (None: one holder)
     default_limit: int | None = None
-    #: bodies of tasks that set no ``lease_atomic`` run in one transaction, committed
-    #: with their token's proof and their result (:mod:`celery_fenced.atomic`)
+    #: bodies of tasks without ``lease_atomic`` run in one transaction (see ``atomic``)
     atomic: bool = False
     #: a worker serves its Prometheus metrics on this port (None: it does not)
     metrics_port: int | None = None
