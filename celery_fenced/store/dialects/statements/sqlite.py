@@ -33,10 +33,9 @@ _AGO_WINDOW: LiteralString = (
 # The database's clock.
 SELECT_NOW: LiteralString = "SELECT " + NOW
 
-# -- name: record_pending --
-# The outbox's row of a published job, started afresh on a re-publish of the task id: its
-# ETA, expiry and resend time given (``*_at``) or relative to now (``*_in`` seconds).
-RECORD_PENDING: LiteralString = (
+#: an outbox row's insert up to its ``sends``: its job, and its ETA, expiry and resend time
+#: given (``*_at``) or relative to now (``*_in`` seconds)
+_PENDING_INSERT: LiteralString = (
     "INSERT INTO celery_fenced_pendingjob "
     + PENDING_COLUMNS
     + """
@@ -48,7 +47,15 @@ RECORD_PENDING: LiteralString = (
         COALESCE(%(expires_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
                                           '+' || (%(expires_in)s) || ' seconds')),
         COALESCE(%(resend_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                         '+' || (%(resend_in)s) || ' seconds')),
+                                         '+' || (%(resend_in)s) || ' seconds')),"""
+)
+
+# -- name: record_pending --
+# The outbox's row of a published job, started afresh on a re-publish of the task id: its
+# ETA, expiry and resend time given (``*_at``) or relative to now (``*_in`` seconds).
+RECORD_PENDING: LiteralString = (
+    _PENDING_INSERT
+    + """
         0, %(unsent)s, NULL, '', NULL, '', NULL, %(plain)s, %(nesting)s)
     ON CONFLICT (task_id) DO UPDATE SET """
     + PENDING_RESET
@@ -60,18 +67,8 @@ RECORD_PENDING: LiteralString = (
 # -- name: record_unique_pending --
 # A ``lease_unique`` copy's pending row, nothing on any conflict; the task id if recorded.
 RECORD_UNIQUE_PENDING: LiteralString = (
-    "INSERT INTO celery_fenced_pendingjob "
-    + PENDING_COLUMNS
+    _PENDING_INSERT
     + """
-    VALUES (%(task_id)s, %(task_name)s, %(key)s, %(job)s, """
-    + NOW
-    + """,
-        COALESCE(%(eta_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                      '+' || (%(eta_in)s) || ' seconds')),
-        COALESCE(%(expires_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                          '+' || (%(expires_in)s) || ' seconds')),
-        COALESCE(%(resend_at)s, strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now',
-                                         '+' || (%(resend_in)s) || ' seconds')),
         0, %(unsent)s, NULL, '', %(unique_key)s, %(unique_until)s, NULL, %(plain)s,
         %(nesting)s)
     ON CONFLICT DO NOTHING RETURNING task_id"""
