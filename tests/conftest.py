@@ -10,6 +10,7 @@ Redis and RabbitMQ, the browser, the wheel, the demo, the chaos runner).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -291,6 +292,16 @@ WAITING = {
     "JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
     "WHERE t.trx_state = 'LOCK WAIT' AND p.DB = DATABASE()",
 }
+
+
+def run_in_threads(target: Callable[[int], None], count: int, timeout: float = 60) -> None:
+    """``target(i)`` for ``i`` in ``range(count)``, each in a thread of its own started
+    before any is waited for; then each is waited for up to ``timeout`` seconds."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
 
 
 def side_connection(alias: str) -> Any:

@@ -26,7 +26,7 @@ from celery_fenced.requests import EndedProcess
 from celery_fenced.store import Delivery
 from testproject.celery import app
 from tests import routers
-from tests.conftest import DELIVERED, WITH_MARIADB
+from tests.conftest import DELIVERED, WITH_MARIADB, run_in_threads
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
 
@@ -648,10 +648,6 @@ def test_result_lock__no_row__concurrent_takers_wait_in_turn_without_deadlock(
         finally:
             connections[routed].close()
 
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_in_threads(take, 8)
     assert (errors, overlaps) == ([], [])
     assert not TaskResult.objects.using(routed).filter(task_id="t1").exists()

@@ -30,7 +30,7 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.store import dialects
 from celery_fenced.store.types import Delivery
 from testproject.demo.models import Report
-from tests.conftest import WITH_MARIADB
+from tests.conftest import WITH_MARIADB, run_in_threads
 from tests.integration.test_admin import CHANGELIST, OPERATOR
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
@@ -193,11 +193,7 @@ def test_concurrent_acquirers__no_error__exactly_limit_granted(
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(12)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_in_threads(take, 12)
     assert not errors
     assert (len(granted), len(busy)) == (4, 8)
     assert len({lease.key for lease in granted}) == 4
@@ -626,11 +622,7 @@ def test_racing_grants__releases_expiries_forced_releases__tokens_only_go_up(
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    run_in_threads(run, 6, timeout=120)
     assert errors == []
     assert wrong == []
 

@@ -21,7 +21,7 @@ from celery_fenced.conf import load
 from celery_fenced.exceptions import FencedConfigurationError
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import resend_pending
-from tests.conftest import WITH_MARIADB
+from tests.conftest import WITH_MARIADB, run_in_threads
 from tests.integration.test_outbox import pending, rolled_back
 from tests.integration.test_seams import Broker, Execution, deliver, granted, status, wait_for
 
@@ -335,11 +335,7 @@ def test_concurrent_publishers_in_transactions_some_rolled_back__one_event_per_r
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    run_in_threads(one, 10)
     assert errors == []
     committed = [(own, got) for own, got, kept in done if kept]
     recorded = [own for own, got in committed if own == got]
