@@ -22,12 +22,13 @@ from typing import Any
 from benchmarks.common import (
     Context,
     Line,
+    batches_time,
+    cpu_per_task,
     median_or_none,
-    rate,
     ratios,
     rotated,
-    seconds,
     spread,
+    statements_per_task,
 )
 from benchmarks.e2e import FENCED_BACKEND, Variant, _start_workers, _statements, run_batch
 
@@ -111,15 +112,13 @@ def _lines(
     tasks = f"{batch * rounds:,} tasks ({rounds} batches of {batch:,})"
 
     def wall(name: str) -> str:
-        total = sum(times[name])
-        return f"{seconds(total)} ({rate(batch * rounds / total) if total > 0 else 'n/a'})"
+        return batches_time(times[name], batch)
 
     def per_task(name: str) -> str:
-        return f"{sum(cpu[name]) / (batch * rounds) * 1000:.1f} ms CPU/task"
+        return cpu_per_task(cpu[name], batch)
 
     def statements(name: str) -> str:
-        count = counts[name]
-        return f"{count['total']:.1f} ({count['data']:.1f} + {count['control']:.1f} tx)"
+        return statements_per_task(counts[name])
 
     lines = []
     for name, base, case in PAIRS:

@@ -306,6 +306,22 @@ def millis(value: float) -> str:
     return f"{value * 1000:.2f} ms"
 
 
+def batches_time(walls: Sequence[float], batch: int) -> str:
+    """The time of batches of ``batch`` tasks (``walls``, seconds each) and their rate."""
+    total = sum(walls)
+    return f"{seconds(total)} ({rate(batch * len(walls) / total) if total > 0 else 'n/a'})"
+
+
+def cpu_per_task(spent: Sequence[float], batch: int) -> str:
+    """CPU per task of batches of ``batch`` tasks (``spent``, CPU seconds each)."""
+    return f"{sum(spent) / (batch * len(spent)) * 1000:.1f} ms CPU/task"
+
+
+def statements_per_task(count: dict[str, Any]) -> str:
+    """Statements per task: all, then the data and transaction-control ones."""
+    return f"{count['total']:.1f} ({count['data']:.1f} + {count['control']:.1f} tx)"
+
+
 def rotated(items: Sequence[Any], by: int) -> list[Any]:
     """``items`` rotated left by ``by``: round r of an interleaved run starts elsewhere."""
     if not items:

@@ -23,14 +23,15 @@ from benchmarks.common import (
     WORKER_ROLE,
     Context,
     Line,
+    batches_time,
+    cpu_per_task,
     cpu_seconds,
     median_or_none,
-    rate,
     ratios,
     rotated,
-    seconds,
     servers_cpu,
     spread,
+    statements_per_task,
     worker_env,
 )
 
@@ -279,12 +280,10 @@ def _lines(
         return ratios(values[name], values[base])
 
     def per_task(name: str) -> str:
-        return f"{sum(cpu[name]) / (batch * len(cpu[name])) * 1000:.1f} ms CPU/task"
+        return cpu_per_task(cpu[name], batch)
 
     def shown(name: str) -> str:
-        wall = sum(times[name])
-        done = batch * len(times[name])
-        return f"{seconds(wall)} ({rate(done / wall) if wall > 0 else 'n/a'})"
+        return batches_time(times[name], batch)
 
     tasks = batch * len(next(iter(times.values())))
     batches = f"{len(next(iter(times.values())))} batches of {batch:,}"
@@ -333,8 +332,7 @@ def _lines(
         )
     plain, fenced, every = counts["plain"], counts["fenced"], counts["fenced-all"]
 
-    def statements(count: dict[str, Any]) -> str:
-        return f"{count['total']:.1f} ({count['data']:.1f} + {count['control']:.1f} tx)"
+    statements = statements_per_task
 
     lines.append(
         Line(
