@@ -99,10 +99,14 @@ def workers(
     env = {**broker.env, "FENCED_TASKS_JSON": TASKS}
 
     def start(*names: str) -> list[Worker]:
-        batch = [
-            Worker(name, database=alias, queue=queue, log_dir=tmp_path, env=env) for name in names
-        ]
-        started.extend(batch)
+        batch = []
+        for name in names:
+            batch.append(Worker(name, database=alias, queue=queue, log_dir=tmp_path, env=env))
+            started.append(batch[-1])
+            if broker.name == "filesystem":
+                # kombu's filesystem transport creates an exchange's file before it locks
+                # and writes it: a worker starting at that instant reads it empty and dies
+                batch[-1].wait_ready()
         for worker in batch:
             worker.wait_ready()
         return batch
