@@ -622,7 +622,7 @@ def test_result_lock__no_row__concurrent_takers_wait_in_turn_without_deadlock(
 ) -> None:
     """Eight transactions take the result lock of a task id that has no row, at once:
     each waits for the one before (none sees another inside), and none fails (MariaDB:
-    the lock is a row inserted and deleted again; no deadlock, error 1213)."""
+    the lock is a kept bucket row; no deadlock, error 1213)."""
     if routed == "default":
         pytest.skip("SQLite has one writer: the transactions queue on its write lock")
     import threading

@@ -162,6 +162,7 @@ def test_statements__name_the_models_tables() -> None:
     models = {records.LEASE, records.EVENT, records.COMPLETION, records.PENDING, result}
     models.add("celery_fenced_permit_token")  # permits' sequence (migrations 0007, 0015)
     models.add("celery_fenced_lease_key_uniq")  # the keys' unique index (MariaDB's hint)
+    models.add("celery_fenced_result_lock")  # the family's result locks (migration 0017)
     assert tables <= models
     assert {records.LEASE, records.EVENT} <= tables
 

@@ -232,23 +232,18 @@ class MySQL(RowLockedDialect):
         )
 
     def lock_for_result(self, task_id: str) -> None:
-        """The task id's result row, locked until the transaction ends — made first, and
-        deleted again at once, when the task has no row yet.
+        """The task id's result lock until the transaction ends: the row of its bucket in
+        ``celery_fenced_result_lock``, locked by ``INSERT … ON DUPLICATE KEY UPDATE``.
 
-        A ``SELECT … FOR UPDATE`` of a missing row locks nothing under READ COMMITTED
-        (Django's isolation level for the family): an untokened write that found no row
-        would then go on to write over a fenced result committed meanwhile (R1); under
-        REPEATABLE READ it takes a gap lock, and two such takers deadlock inserting (1213).
-        PostgreSQL takes an advisory lock on the task id; here one ``INSERT … ON DUPLICATE
-        KEY UPDATE`` locks the row, existing or not (an exclusive lock even on a duplicate,
-        never the shared one whose upgrade deadlocks), and a row made here is deleted in
-        the same transaction: the deleted record stays locked by it to the end, and no one
-        sees it. (Each call uses up a value of the table's ``AUTO_INCREMENT``.)
+        A ``SELECT … FOR UPDATE`` of a missing result row locks nothing under READ
+        COMMITTED (Django's isolation level for the family), and a result row made and
+        deleted again leaves a deleted record whose gap InnoDB's duplicate checks lock:
+        three takers of a new task id deadlock (1213). The bucket's row is made once and
+        kept; on its primary key the statement takes a record lock only, exclusive even
+        on a duplicate. Task ids that share a bucket take turns.
         """
         with self.connection.cursor() as cursor:
             cursor.execute(sql.LOCK_FOR_RESULT, {"task_id": task_id})
-            if cursor.lastrowid:  # made here (0: the task's row, now locked)
-                cursor.execute(sql.DELETE_RESULT, {"id": cursor.lastrowid})
 
     def renew(self, leases: Sequence[Renewal]) -> dict[tuple[str, int], dt.datetime]:
         """Every lease in one ``UPDATE … JOIN``; the renewed ones read back by their new

@@ -64,16 +64,10 @@ LOCKED_ROWS_ROW: LiteralString = "%s"
 LOCKED_ROWS_JOIN: LiteralString = ", "
 
 # -- name: lock_for_result --
-# The task's result row locked: made (then deleted again by ``delete_result``) when the
-# task has none yet; an exclusive lock even on a duplicate.
-LOCK_FOR_RESULT: LiteralString = """INSERT INTO django_celery_results_taskresult
-      (task_id, status, content_type, content_encoding, date_created, date_done)
-    VALUES (%(task_id)s, 'PENDING', '', '', CURRENT_TIMESTAMP(6), CURRENT_TIMESTAMP(6))
-    ON DUPLICATE KEY UPDATE id = id"""
-
-# -- name: delete_result --
-# Delete the result row ``%(id)s`` (made by ``lock_for_result``).
-DELETE_RESULT: LiteralString = "DELETE FROM django_celery_results_taskresult WHERE id = %(id)s"
+# The task's result lock: the row of its bucket (65,536 of them, by CRC-32) in
+# ``celery_fenced_result_lock``, made the first time and kept; a record lock only.
+LOCK_FOR_RESULT: LiteralString = """INSERT INTO celery_fenced_result_lock (bucket)
+    VALUES (CRC32(%(task_id)s) & 65535) ON DUPLICATE KEY UPDATE bucket = bucket"""
 
 # -- name: renew --
 # Renew the grants given (``{rows}``: ``RENEW_ROW`` per grant: key, token, owner, ttl in
