@@ -292,3 +292,28 @@ def test_prepare__the_stores_statements_prepared_on_the_kept_session_unless_off(
     else:
         assert prepared == []
     store.close_kept_connection(pg)
+
+
+@pytest.mark.parametrize("prepare", [True, False])
+def test_prepare__the_public_apis_statements_prepared_on_djangos_session_unless_off(
+    pg: str, settings: Any, prepare: bool
+) -> None:
+    """``acquire()``, ``release()`` and a permit, called outside a worker, run on Django's
+    connection: with ``fenced_prepare`` their statements are prepared on its session at
+    their first run, and the application's own queries are not; off, nothing is."""
+    from celery_fenced import acquire
+
+    settings.CELERY_FENCED_PREPARE = prepare
+    connection = connections[pg]
+    connection.close()  # a new session: nothing prepared on it yet
+    for _ in range(2):
+        acquire("prepared-key", ttl=30, using=pg).release()
+        acquire("prepared-permit", ttl=30, using=pg, limit=2).release()
+        assert Lease.objects.using(pg).filter(key="prepared-key").count() == 1
+    prepared = prepared_statements(connection)
+    if prepare:
+        assert any("INSERT INTO celery_fenced_lease" in statement for statement in prepared)
+        assert not any('"celery_fenced_lease"' in statement for statement in prepared)  # ORM
+    else:
+        assert prepared == []
+    connection.close()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from celery_fenced import permits
+from celery_fenced import conf, permits
 from celery_fenced.models import Lease
+from celery_fenced.store.dialects import prepared
 from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
 from celery_fenced.store.dialects.sql import SQLDialect
 from celery_fenced.store.dialects.statements import postgresql as sql
@@ -44,6 +45,20 @@ class PostgreSQL(SQLDialect):
 
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
         super().__init__(alias, connection, sql, next_token=self._permit_token)
+
+    def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """On Django's connection, with ``fenced_prepare``, the statement prepared
+        (:mod:`.prepared`); a kept connection prepares its own (its ``OPTIONS``)."""
+        connection = self.connection
+        if (
+            self._connection is not None
+            or not prepared.preparing(connection)
+            or not conf.load().prepare
+        ):
+            return super()._fetch(sql, params)
+        with prepared.cursor(connection) as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})

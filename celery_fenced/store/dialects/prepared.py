@@ -1,0 +1,69 @@
+"""The store's statements prepared on Django's own PostgreSQL connections.
+
+Django binds parameters on the client and never prepares (its default ``OPTIONS``), so
+each of the store's statements — a grant, a release, a publish's outbox row, a permit —
+is parsed and planned by the server every time it runs; the permit's grant spends more
+on its planning than on its work. With ``fenced_prepare`` (on by default) and psycopg 3,
+the store runs them through a cursor of Django's connection that binds on the server and
+prepares the statement on its first run: once per connection, not once per call.
+
+The cursor is wrapped as Django wraps its own (:meth:`cursor`): execute wrappers, error
+translation and the connection's health checks apply (while Django logs queries, the
+statements go through its own cursor, unprepared).
+Only the store's statements go through it: the application's own queries keep the
+connection's default cursor. Each statement is named once per session (psycopg's
+prepared statements, up to its ``prepared_max`` of 100, forgotten at a rollback or a
+reconnection and made again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
+
+try:
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+except ImportError:  # pragma: no cover - neither psycopg nor psycopg2 installed
+    is_psycopg3 = False
+
+#: psycopg prepares a statement after this many runs when asked to count: a connection
+#: Django made without ``prepare_threshold`` (None: never prepare, not even on request)
+#: gets it, which prepares only what asks for it — the application's queries through a
+#: server-binding cursor would reach it after two billion runs
+_ON_REQUEST_ONLY = 2**31 - 1
+
+if is_psycopg3:
+    import psycopg
+
+    class _PreparingCursor(psycopg.Cursor[Any]):
+        """Server-side binding, each statement prepared on its first run."""
+
+        def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+            return super().execute(query, params, **{**options, "prepare": True})
+
+
+def preparing(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the store's statements can be prepared on ``connection`` (PostgreSQL
+    through psycopg 3)."""
+    return is_psycopg3 and connection.vendor == "postgresql"
+
+
+def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
+    """A cursor of ``connection`` that prepares each statement on its first run,
+    wrapped as :meth:`BaseDatabaseWrapper.cursor` wraps Django's own; Django's own
+    cursor while queries are logged (``DEBUG``, ``CaptureQueriesContext``): Django reads
+    a statement's text back from the cursor, which psycopg does not keep for a prepared
+    one."""
+    if connection.queries_logged:
+        return connection.cursor()
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        raw = connection.connection
+        if raw.prepare_threshold is None:
+            raw.prepare_threshold = _ON_REQUEST_ONLY
+        connection.validate_thread_sharing()
+        made: Any = _PreparingCursor(raw)
+        return connection.make_cursor(made)
