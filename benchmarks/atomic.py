@@ -87,7 +87,7 @@ def run(ctx: Context) -> list[Line]:
             for variant in rotated(VARIANTS, round_no):
                 wall, spent = run_batch(ctx, variant, batch, workers)
                 times[variant.name].append(wall)
-                cpu[variant.name].append(spent)
+                cpu[variant.name].append(sum(spent.values()))
         counts = {v.name: _statements(ctx, v, workers) for v in VARIANTS}
     finally:
         for worker in workers.values():

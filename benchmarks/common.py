@@ -219,11 +219,11 @@ def cpu_seconds(*, group: int | None = None, parent: int | None = None) -> float
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def servers_cpu(ctx: Context) -> float:
-    """CPU seconds used so far by this run's PostgreSQL (all connections) and Redis."""
+def servers_cpu_parts(ctx: Context) -> dict[str, float]:
+    """CPU seconds used so far by this run's PostgreSQL (all connections) and by Redis."""
     postmaster = int((ctx.servers / "pgdata" / "postmaster.pid").read_text().split()[0])
     redis = int((ctx.servers / "redis.pid").read_text().strip())
-    return cpu_seconds(parent=postmaster) + cpu_seconds(parent=redis)
+    return {"PostgreSQL": cpu_seconds(parent=postmaster), "Redis": cpu_seconds(parent=redis)}
 
 
 def insert_select(

@@ -29,7 +29,7 @@ from benchmarks.common import (
     median_or_none,
     ratios,
     rotated,
-    servers_cpu,
+    servers_cpu_parts,
     spread,
     statements_per_task,
     worker_env,
@@ -168,14 +168,18 @@ def _progress() -> tuple[int, int, float | None]:
 
 def run_batch(
     ctx: Context, variant: Variant, count: int, workers: dict[str, Any]
-) -> tuple[float, float]:
+) -> tuple[float, dict[str, float]]:
     """Send ``count`` tasks of ``variant``: seconds from the first send to the last result,
-    and CPU seconds spent by the worker, PostgreSQL and Redis meanwhile."""
+    and CPU seconds spent meanwhile by the worker, PostgreSQL and Redis (:data:`PARTS`)."""
     from testproject.celery import app
 
     _truncate_results()
     worker = workers[variant.runs_on].process.pid  # its process group (a new session)
-    cpu = cpu_seconds(group=worker) + servers_cpu(ctx)
+
+    def cpu_parts() -> dict[str, float]:
+        return {"worker": cpu_seconds(group=worker), **servers_cpu_parts(ctx)}
+
+    cpu = cpu_parts()
     run = uuid.uuid4().hex[:6]
     send = app.send_task if variant.publish == "send_task" else _delay(app, variant.task)
     started = time.time()
@@ -195,7 +199,7 @@ def run_batch(
                 + workers[variant.runs_on].output()[-3000:]
             )
         if done >= count and last is not None:
-            spent = cpu_seconds(group=worker) + servers_cpu(ctx) - cpu
+            spent = {part: seconds - cpu[part] for part, seconds in cpu_parts().items()}
             return last - started, spent
         if time.monotonic() > deadline:
             raise RuntimeError(
@@ -254,20 +258,23 @@ def run(ctx: Context) -> list[Line]:
             run_batch(ctx, variant, min(profile.tasks, 50), workers)
         times: dict[str, list[float]] = {v.name: [] for v in VARIANTS}
         cpu: dict[str, list[float]] = {v.name: [] for v in VARIANTS}
+        parts: dict[str, dict[str, list[float]]] = {v.name: {} for v in VARIANTS}
         batch = max(1, profile.tasks // profile.e2e_rounds)
         for round_no in range(profile.e2e_rounds):
             for variant in rotated(VARIANTS, round_no):
                 wall, spent = run_batch(ctx, variant, batch, workers)
                 times[variant.name].append(wall)
-                cpu[variant.name].append(spent)
+                cpu[variant.name].append(sum(spent.values()))
+                for part, seconds in spent.items():
+                    parts[variant.name].setdefault(part, []).append(seconds)
         counted = ("plain", "fenced", "fenced-all")
         counts = {v.name: _statements(ctx, v, workers) for v in VARIANTS if v.name in counted}
     finally:
         for worker in workers.values():
             worker.stop()
-    ctx.data["e2e"] = {"batch": batch, "seconds": times, "cpu_seconds": cpu}
+    ctx.data["e2e"] = {"batch": batch, "seconds": times, "cpu_seconds": cpu, "cpu_parts": parts}
     ctx.data["statements"] = counts
-    return _lines(batch, times, cpu, counts)
+    return _lines(batch, times, cpu, counts, parts)
 
 
 def _lines(
@@ -275,6 +282,7 @@ def _lines(
     times: dict[str, list[float]],
     cpu: dict[str, list[float]],
     counts: dict[str, dict[str, Any]],
+    parts: dict[str, dict[str, list[float]]],
 ) -> list[Line]:
     def per_round(name: str, base: str, values: dict[str, list[float]]) -> list[float]:
         return ratios(values[name], values[base])
@@ -328,6 +336,19 @@ def _lines(
                 target=f"≤ {limit:.2f}x" if limit else "",
                 kind="max" if limit else None,
                 limit=limit,
+            )
+        )
+    # where the kept variants' CPU goes: the worker's processes, PostgreSQL, Redis
+    for part in parts["fenced-reuse"]:
+        r = ratios(parts["fenced-reuse"][part], parts["plain-reuse"][part])
+        lines.append(
+            Line(
+                row="1 end to end",
+                case=f"CPU of {part} alone: fenced vs plain, connections kept",
+                measured=cpu_per_task(parts["fenced-reuse"][part], batch),
+                baseline=cpu_per_task(parts["plain-reuse"][part], batch),
+                ratio=median_or_none(r),
+                spread=spread(r),
             )
         )
     plain, fenced, every = counts["plain"], counts["fenced"], counts["fenced-all"]

@@ -20,7 +20,8 @@ own (same ``DATABASES`` entry, same ``connection_created`` signal), and closed:
 Its statements are prepared on the server (setting ``fenced_prepare``, on by default):
 psycopg 3's server-side binding, each statement prepared the second time it runs, so the
 grant and the success are parsed and planned once per connection, not once per task.
-Django's own connections are left as ``DATABASES`` makes them.
+(On Django's own connections the store prepares its statements through a cursor of its
+own: :mod:`.dialects.prepared`.)
 
 Only outside any transaction of the caller's: the grant and the success are then
 statements of their own on any connection.

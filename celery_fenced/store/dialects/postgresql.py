@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 from celery_fenced import conf, permits
 from celery_fenced.models import Lease
@@ -46,19 +47,14 @@ class PostgreSQL(SQLDialect):
     def __init__(self, alias: str, connection: BaseDatabaseWrapper | None = None) -> None:
         super().__init__(alias, connection, sql, next_token=self._permit_token)
 
-    def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """On Django's connection, with ``fenced_prepare``, the statement prepared
-        (:mod:`.prepared`); a kept connection prepares its own (its ``OPTIONS``)."""
+    def _cursor(self) -> CursorWrapper:
+        """On Django's connection, with ``fenced_prepare``, a cursor that prepares each
+        statement (:mod:`.prepared`); a kept connection prepares its own (its ``OPTIONS``).
+        """
         connection = self.connection
-        if (
-            self._connection is not None
-            or not prepared.preparing(connection)
-            or not conf.load().prepare
-        ):
-            return super()._fetch(sql, params)
-        with prepared.cursor(connection) as cursor:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
+        if self._connection is None and prepared.preparing(connection) and conf.load().prepare:
+            return prepared.cursor(connection)
+        return connection.cursor()
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})

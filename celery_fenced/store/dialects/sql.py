@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects.base import DialectBase
@@ -100,8 +101,13 @@ class SQLDialect(DialectBase):
             "nesting": pending.nesting,
         }
 
+    def _cursor(self) -> CursorWrapper:
+        """A cursor of the connection the statements run on."""
+        return self.connection.cursor()
+
     def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        with self.connection.cursor() as cursor:
+        """Every statement of the dialect runs here: its rows."""
+        with self._cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
 
