@@ -13,7 +13,8 @@ statements go through its own cursor, unprepared).
 Only the store's statements go through it: the application's own queries keep the
 connection's default cursor. Each statement is named once per session (psycopg's
 prepared statements, up to its ``prepared_max`` of 100, forgotten at a rollback or a
-reconnection and made again).
+reconnection and made again). ``OPTIONS`` that refuse prepared statements
+(``prepare_threshold`` None, ``server_side_binding`` False) win over ``fenced_prepare``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,16 @@ if is_psycopg3:
 
 def preparing(connection: BaseDatabaseWrapper) -> bool:
     """Whether the store's statements can be prepared on ``connection`` (PostgreSQL
-    through psycopg 3)."""
-    return is_psycopg3 and connection.vendor == "postgresql"
+    through psycopg 3), unless its ``OPTIONS`` say no prepared statements: an explicit
+    ``prepare_threshold`` of None or ``server_side_binding`` False (PgBouncer in
+    transaction mode) wins, as on the kept connection (:mod:`celery_fenced.store.owned`)."""
+    if not is_psycopg3 or connection.vendor != "postgresql":
+        return False
+    options = connection.settings_dict.get("OPTIONS", {})
+    return not (
+        ("prepare_threshold" in options and options["prepare_threshold"] is None)
+        or options.get("server_side_binding") is False
+    )
 
 
 def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
