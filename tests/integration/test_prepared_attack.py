@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from celery import states
-from django.db import DatabaseError, connections, transaction
+from django.db import DatabaseError, NotSupportedError, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
 from celery_fenced import acquire
@@ -405,3 +405,54 @@ def test_options_opting_out__nothing_prepared_on_djangos_session(
         options.clear()
         options.update(saved)
         connection.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["connection", "pool"])
+def test_column_type_changed_by_a_migration__the_next_calls_run(
+    broker: Broker, pg: str, pooled: bool
+) -> None:
+    """A migration in another session widens a column the store's statements return
+    (``key``'s ``varchar`` length): PostgreSQL refuses a prepared statement whose result
+    type changed ("cached plan must not change result type"). Outside a transaction the
+    store's calls on a session that prepared them before run on; inside one the
+    transaction fails once (its statement cannot be run again in it) and the next one
+    runs; a worker's executions (its kept connection) run. A pool's stale connection is
+    not handed out again."""
+    from celery_fenced.store.dialects import for_alias
+
+    if pooled:
+        pytest.importorskip("psycopg_pool")
+        options = connections[pg].settings_dict["OPTIONS"]
+        options["pool"] = {"min_size": 1, "max_size": 1}
+    cycle(pg, "widened")
+    warm = publish(broker, "warm")
+    deliver_id(broker, warm)  # the kept connection's statements prepared too
+    deliver_id(broker, publish(broker, "warm again"))
+    length = Lease._meta.get_field("key").max_length
+
+    def widen(by: int) -> None:
+        with side_connection(pg) as admin:
+            admin.execute(
+                f"ALTER TABLE celery_fenced_lease ALTER COLUMN key TYPE varchar({length + by})"
+            )
+
+    try:
+        widen(1)
+        with pytest.raises(NotSupportedError):
+            transaction.atomic(using=pg)(lambda: cycle(pg, "widened"))()
+        with transaction.atomic(using=pg):  # its rollback made psycopg forget them
+            assert cycle(pg, "widened")[0] == 2
+        widen(2)
+        assert cycle(pg, "widened")[0] == 3
+        assert cycle(pg, "widened")[0] == 4
+        assert for_alias(pg).now()
+        for value in ["after", "after again"]:
+            task_id = publish(broker, value)
+            deliver_id(broker, task_id)
+            assert status(pg, task_id) == (states.SUCCESS, f'"{value}@1"')
+    finally:
+        connections[pg].close()
+        if pooled:
+            connections[pg].close_pool()
+            del options["pool"]
+        widen(0)

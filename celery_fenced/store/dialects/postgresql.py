@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, NotSupportedError
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import conf, permits
@@ -56,9 +56,15 @@ class PostgreSQL(SQLDialect):
             or not conf.load().prepare
         ):
             return super()._fetch(sql, params)
-        with prepared.cursor(connection) as cursor:
-            cursor.execute(sql, params)
-            return list(cursor.fetchall())
+        try:
+            return _fetch_prepared(connection, sql, params)
+        except NotSupportedError as exc:
+            # a migration changed a column it returns: its session's statements are
+            # stale for good; outside a transaction, run again on a new session
+            if not prepared.plan_changed(exc) or not prepared.replaceable(connection):
+                raise
+            prepared.end_session(connection)
+            return _fetch_prepared(connection, sql, params)
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})
@@ -332,6 +338,14 @@ class PostgreSQL(SQLDialect):
         if self._release(ending, holder_only=False, lock_result=True):
             return True, ending.token
         return False, self._current_token(ending.key)
+
+
+def _fetch_prepared(
+    connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any] | Mapping[str, Any]
+) -> list[tuple[Any, ...]]:
+    with prepared.cursor(connection) as cursor:
+        cursor.execute(sql, params)
+        return list(cursor.fetchall())
 
 
 def _pending_end(request: GrantRequest) -> str:

@@ -76,3 +76,29 @@ def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
         connection.validate_thread_sharing()
         made: Any = _PreparingCursor(raw)
         return connection.make_cursor(made)
+
+
+def plan_changed(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing a prepared statement whose result type a
+    schema change altered (a migration in another session widened a column it returns):
+    the session's statement fails so on every run until the session ends."""
+    cause = exc.__cause__
+    return (
+        is_psycopg3
+        and isinstance(cause, psycopg.errors.FeatureNotSupported)
+        and "cached plan must not change result type" in str(cause)
+    )
+
+
+def replaceable(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection`` can be closed and opened again for the store's statement:
+    in autocommit, outside any transaction (nothing of the caller's is lost)."""
+    return not connection.in_atomic_block and connection.get_autocommit()
+
+
+def end_session(connection: BaseDatabaseWrapper) -> None:
+    """Close ``connection`` and its session, which a pool (``OPTIONS["pool"]``) then
+    drops instead of handing out again with its stale statements."""
+    if connection.connection is not None:
+        connection.connection.close()
+    connection.close()
