@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, NotSupportedError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
@@ -55,6 +55,23 @@ class PostgreSQL(SQLDialect):
         if self._connection is None and prepared.preparing(connection) and conf.load().prepare:
             return prepared.cursor(connection)
         return connection.cursor()
+
+    def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The statement's rows; run once more on a new session when a migration changed
+        a column a prepared statement returns (its session's statement is stale for
+        good), outside a transaction."""
+        try:
+            return super()._fetch(sql, params)
+        except NotSupportedError as exc:
+            connection = self.connection
+            if (
+                self._connection is not None
+                or not prepared.plan_changed(exc)
+                or not prepared.replaceable(connection)
+            ):
+                raise
+            prepared.end_session(connection)
+            return super()._fetch(sql, params)
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})

@@ -13,7 +13,8 @@ statements go through its own cursor, unprepared).
 Only the store's statements go through it: the application's own queries keep the
 connection's default cursor. Each statement is named once per session (psycopg's
 prepared statements, up to its ``prepared_max`` of 100, forgotten at a rollback or a
-reconnection and made again).
+reconnection and made again). ``OPTIONS`` that refuse prepared statements
+(``prepare_threshold`` None, ``server_side_binding`` False) win over ``fenced_prepare``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,16 @@ if is_psycopg3:
 
 def preparing(connection: BaseDatabaseWrapper) -> bool:
     """Whether the store's statements can be prepared on ``connection`` (PostgreSQL
-    through psycopg 3)."""
-    return is_psycopg3 and connection.vendor == "postgresql"
+    through psycopg 3), unless its ``OPTIONS`` say no prepared statements: an explicit
+    ``prepare_threshold`` of None or ``server_side_binding`` False (PgBouncer in
+    transaction mode) wins, as on the kept connection (:mod:`celery_fenced.store.owned`)."""
+    if not is_psycopg3 or connection.vendor != "postgresql":
+        return False
+    options = connection.settings_dict.get("OPTIONS", {})
+    return not (
+        ("prepare_threshold" in options and options["prepare_threshold"] is None)
+        or options.get("server_side_binding") is False
+    )
 
 
 def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
@@ -67,3 +76,29 @@ def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
         connection.validate_thread_sharing()
         made: Any = _PreparingCursor(raw)
         return connection.make_cursor(made)
+
+
+def plan_changed(exc: BaseException) -> bool:
+    """Whether ``exc`` is PostgreSQL refusing a prepared statement whose result type a
+    schema change altered (a migration in another session widened a column it returns):
+    the session's statement fails so on every run until the session ends."""
+    cause = exc.__cause__
+    return (
+        is_psycopg3
+        and isinstance(cause, psycopg.errors.FeatureNotSupported)
+        and "cached plan must not change result type" in str(cause)
+    )
+
+
+def replaceable(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection`` can be closed and opened again for the store's statement:
+    in autocommit, outside any transaction (nothing of the caller's is lost)."""
+    return not connection.in_atomic_block and connection.get_autocommit()
+
+
+def end_session(connection: BaseDatabaseWrapper) -> None:
+    """Close ``connection`` and its session, which a pool (``OPTIONS["pool"]``) then
+    drops instead of handing out again with its stale statements."""
+    if connection.connection is not None:
+        connection.connection.close()
+    connection.close()
