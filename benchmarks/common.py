@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 #: the role the worker processes connect as, so PostgreSQL counts their statements apart
 WORKER_ROLE = "bench_worker"
@@ -122,10 +122,10 @@ class Context:
         return psycopg.connect(self.conninfo(dbname), autocommit=True)
 
     @contextmanager
-    def count_statements(self) -> Iterator[Callable[[], list[tuple[str, str, int, int]]]]:
+    def count_statements(self) -> Iterator[Callable[[], list[Counted]]]:
         """Track statements with pg_stat_statements while the block runs.
 
-        Yields a function returning ``(role, query, calls, rows)`` of the benchmark
+        Yields a function returning each statement's :class:`Counted` of the benchmark
         database since the block began. Tracking is off outside such blocks, so that the
         throughput benchmarks do not pay for it.
         """
@@ -135,20 +135,33 @@ class Context:
             time.sleep(0.5)  # every backend applies the reload before its next statement
             conn.execute("SELECT pg_stat_statements_reset()")
 
-            def read() -> list[tuple[str, str, int, int]]:
+            def read() -> list[Counted]:
                 rows = conn.execute(
-                    """SELECT r.rolname, s.query, s.calls, s.rows
+                    """SELECT r.rolname, s.query, s.calls, s.rows, s.total_exec_time
                        FROM pg_stat_statements s JOIN pg_roles r ON r.oid = s.userid
                        WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = %s)""",
                     [self.database],
                 ).fetchall()
-                return [(str(a), str(b), int(c), int(d)) for a, b, c, d in rows]
+                return [
+                    Counted(str(a), str(b), int(c), int(d), float(e)) for a, b, c, d, e in rows
+                ]
 
             try:
                 yield read
             finally:
                 conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'none'")
                 conn.execute("SELECT pg_reload_conf()")
+
+
+class Counted(NamedTuple):
+    """One statement as pg_stat_statements counted it."""
+
+    role: str
+    query: str
+    calls: int
+    rows: int
+    #: milliseconds the server spent executing it, all calls together
+    exec_ms: float
 
 
 @dataclass(frozen=True)

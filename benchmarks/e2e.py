@@ -22,6 +22,7 @@ from typing import Any
 from benchmarks.common import (
     WORKER_ROLE,
     Context,
+    Counted,
     Line,
     batches_time,
     cpu_per_task,
@@ -229,24 +230,25 @@ def _statements(ctx: Context, variant: Variant, workers: dict[str, Any]) -> dict
         run_batch(ctx, variant, count, workers)
         time.sleep(0.5)  # nothing should follow the result row; make sure of it
         rows = [r for r in read() if r[0] == WORKER_ROLE]
-    total = sum(calls for _, _, calls, _ in rows)
+    total = sum(row.calls for row in rows)
     control = sum(
-        calls for _, q, calls, _ in rows if q.lstrip().upper().startswith(TRANSACTION_CONTROL)
+        row.calls for row in rows if row.query.lstrip().upper().startswith(TRANSACTION_CONTROL)
     )
     return {
         "total": total / count,
         "data": (total - control) / count,
         "control": control / count,
+        "exec_ms": sum(row.exec_ms for row in rows) / count,
         "statements": _grouped(rows, count),
     }
 
 
-def _grouped(rows: list[tuple[str, str, int, int]], count: int) -> list[tuple[str, float]]:
+def _grouped(rows: list[Counted], count: int) -> list[tuple[str, float]]:
     """Calls per task by statement, savepoints (each with its own name) counted together."""
     calls: dict[str, int] = {}
-    for _, query, n, _ in rows:
-        text = re.sub(r'SAVEPOINT "[^"]*"', "SAVEPOINT …", " ".join(query.split()))[:120]
-        calls[text] = calls.get(text, 0) + n
+    for row in rows:
+        text = re.sub(r'SAVEPOINT "[^"]*"', "SAVEPOINT …", " ".join(row.query.split()))[:120]
+        calls[text] = calls.get(text, 0) + row.calls
     return sorted(((q, n / count) for q, n in calls.items()), key=lambda x: -x[1])
 
 
@@ -378,6 +380,15 @@ def _lines(
             ratio=every["total"] - plain["total"],
             ratio_text=f"{every['total'] - plain['total']:+.1f}",
             plot=False,
+        )
+    )
+    lines.append(
+        Line(
+            row="2 round trips",
+            case="PostgreSQL's own execution time per task (pg_stat_statements), fenced vs plain",
+            measured=f"{fenced['exec_ms'] * 1000:.0f} µs",
+            baseline=f"{plain['exec_ms'] * 1000:.0f} µs",
+            ratio=fenced["exec_ms"] / plain["exec_ms"] if plain["exec_ms"] else None,
         )
     )
     lines.append(

@@ -37,7 +37,11 @@ def run(ctx: Context) -> list[Line]:
             started = time.monotonic()
             time.sleep(profile.renew_window)
             window = time.monotonic() - started
-            rows = [r for r in read() if "renewed_at" in r[1] and r[1].lstrip().startswith("WITH")]
+            rows = [
+                r
+                for r in read()
+                if "renewed_at" in r.query and r.query.lstrip().startswith("WITH")
+            ]
     finally:
         for lease in leases:
             renewer.unregister(lease)
@@ -46,8 +50,8 @@ def run(ctx: Context) -> list[Line]:
             if not lease.lost:
                 lease.release()
         connections.close_all()
-    statements = sum(calls for _, _, calls, _ in rows)
-    renewed = sum(n for _, _, _, n in rows)
+    statements = sum(row.calls for row in rows)
+    renewed = sum(row.rows for row in rows)
     naive = count / interval
     per_second = statements / window
     ctx.data["renewal"] = {

@@ -60,3 +60,12 @@ if REUSE:
 
 # production-like: with DEBUG on, Django would keep every query in memory (and time it)
 DEBUG = False
+
+# the package's events at WARNING: a refused lease_unique copy (row 6) is an INFO record
+# each time, thousands of them on the console of a run
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"celery_fenced": {"handlers": ["console"], "level": "WARNING"}},
+}
