@@ -74,7 +74,26 @@ def run(ctx: Context) -> list[Line]:
 
         return publish
 
-    floor = _floor(ctx, fenced, plain, queue)
+    def plain_message(n: int, task_id: str) -> None:
+        plain.apply_async(args=(n,), queue=queue, task_id=task_id)
+
+    floor = _floor(
+        ctx,
+        lambda task_id: fenced.apply_async(args=(0,), queue=queue, task_id=task_id),
+        plain_message,
+    )
+    unique_floor = _floor(
+        ctx,
+        lambda task_id: unique.apply_async(args=(10**9,), queue=queue, task_id=task_id),
+        plain_message,
+    )
+    unique.apply_async(args=(0,), queue=queue)  # job 0's key held: its copies are refused
+    refused_floor = _floor(
+        ctx,
+        lambda task_id: unique.apply_async(args=(0,), queue=queue, task_id=task_id),
+        None,
+        keep_key=True,
+    )
 
     def unique_publish(refused: bool) -> Callable[[int], None]:
         def publish(n: int) -> None:
@@ -88,6 +107,8 @@ def run(ctx: Context) -> list[Line]:
         "floor": floor,
         "unique": unique_publish(refused=False),
         "unique refused": unique_publish(refused=True),
+        "unique floor": unique_floor,
+        "refused floor": refused_floor,
         "once": once(plain, refused=False),
         "once refused": once(plain, refused=True),
         "plain on_commit": in_transaction(plain, on_commit=True),
@@ -170,18 +191,41 @@ def run(ctx: Context) -> list[Line]:
             "once refused",
             3.0,
         ),
+        line(
+            "lease_unique: a new key, its floor (the row's statement raw, prepared, then "
+            "the message) vs celery-once's way",
+            "unique floor",
+            "once",
+        ),
+        line(
+            "lease_unique: a copy refused, its floor (the refusing statement raw, prepared) "
+            "vs celery-once refusing it",
+            "refused floor",
+            "once refused",
+        ),
     ]
 
 
-def _floor(ctx: Context, fenced: Any, plain: Any, queue: str) -> Callable[[int], None]:
-    """The floor of a fenced publish outside a transaction: the statements the store sends
-    for one (captured while it publishes a probe), sent raw and prepared with a new task
-    id each time, then the plain task's message."""
+def _floor(
+    ctx: Context,
+    probe: Callable[[str], Any],
+    then: Callable[[int, str], None] | None,
+    *,
+    keep_key: bool = False,
+) -> Callable[[int], None]:
+    """The floor of a publish: the statements the store sends for one (captured while
+    ``probe(task_id)`` publishes with a task id of its own), sent raw and prepared on a
+    psycopg connection, each time with a new task id (and, unless ``keep_key``, a new key),
+    then ``then(n, task_id)`` (the plain message), if given.
+
+    The probe's task id and key in every parameter become the new ones: a new key each
+    time unless ``keep_key`` (a refused copy's floor).
+    """
     import psycopg
 
     from celery_fenced.store import dialects
 
-    probe = uuid.uuid4().hex
+    task = uuid.uuid4().hex
     log: list[tuple[str, dict[str, Any]]] = []
     fetch = dialects.SQLDialect._fetch
 
@@ -190,19 +234,24 @@ def _floor(ctx: Context, fenced: Any, plain: Any, queue: str) -> Callable[[int],
         return fetch(self, sql, params)
 
     with mock.patch.object(dialects.SQLDialect, "_fetch", recording):
-        fenced.apply_async(args=[0], queue=queue, task_id=probe)
-    if not log or not any(probe in str(v) for _, params in log for v in params.values()):
-        raise RuntimeError("the fenced publish sent no statement naming its task id")
+        probe(task)
+    if not log or not any(task in str(v) for _, params in log for v in params.values()):
+        raise RuntimeError("the probe's publish sent no statement naming its task id")
     connection = psycopg.connect(ctx.conninfo(), autocommit=True, prepare_threshold=0)
+
+    key = next(str(params["key"]) for _, params in log if params.get("key"))
 
     def publish(n: int) -> None:
         task_id = uuid.uuid4().hex
+        swaps = {task: task_id, **({} if keep_key else {key: f"floor:{task_id}"})}
         for sql, params in log:
-            filled = {
-                k: v.replace(probe, task_id) if isinstance(v, str) else v
-                for k, v in params.items()
-            }
+            filled = dict(params)
+            for name, value in params.items():
+                for old, new in swaps.items():
+                    if isinstance(value, str) and old in value:
+                        filled[name] = value = value.replace(old, new)
             connection.execute(sql, filled).fetchall()
-        plain.apply_async(args=[n], queue=queue, task_id=task_id)
+        if then is not None:
+            then(n, task_id)
 
     return publish
