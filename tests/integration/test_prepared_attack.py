@@ -456,3 +456,65 @@ def test_column_type_changed_by_a_migration__the_next_calls_run(
             connections[pg].close_pool()
             del options["pool"]
         widen(0)
+
+
+def _recording_cursor(seen: list[str]) -> type:
+    """A cursor class of Django's PostgreSQL backend that notes each statement it runs."""
+    from django.db.backends.postgresql.base import Cursor
+
+    class Recording(Cursor):  # type: ignore[misc]
+        def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+            seen.append(str(query))
+            return super().execute(query, params, **options)
+
+    return Recording
+
+
+def test_backend_making_its_own_cursors__the_stores_statements_go_through_them(
+    pg: str,
+) -> None:
+    """A backend that makes its cursors its own way (django-tenants sets the tenant's
+    ``search_path`` in ``_cursor()``) sees the store's statements: they run through its
+    cursor, unprepared, as the application's do."""
+    original = connections[pg]
+    through: list[str] = []
+
+    class Tenanted(type(original)):  # type: ignore[misc]
+        def _cursor(self, name: Any = None) -> Any:
+            through.append("cursor")
+            return super()._cursor(name)
+
+    wrapper = Tenanted(original.settings_dict, pg)
+    connections[pg] = wrapper
+    try:
+        before = len(through)
+        cycle(pg, "tenanted")
+        assert len(through) - before >= 4  # grants, renewals and releases among them
+        assert leases_statements(pg) == []
+    finally:
+        wrapper.close()
+        connections[pg] = original
+
+
+@pytest.mark.parametrize("where", ["OPTIONS", "set by a tracer"])
+def test_cursor_factory_of_its_own__the_stores_statements_go_through_it(
+    pg: str, where: str
+) -> None:
+    """A ``cursor_factory`` that is not Django's — given in ``OPTIONS``, or set on the
+    connection by a tracer's instrumentation — runs the store's statements, unprepared."""
+    seen: list[str] = []
+    recording = _recording_cursor(seen)
+    connection = connections[pg]
+    options = connection.settings_dict["OPTIONS"]
+    try:
+        if where == "OPTIONS":
+            options["cursor_factory"] = recording
+        else:
+            connection.ensure_connection()
+            connection.connection.cursor_factory = recording
+        cycle(pg, "traced")
+        assert any("INSERT INTO celery_fenced_lease" in sql for sql in seen)
+        assert leases_statements(pg) == []
+    finally:
+        options.pop("cursor_factory", None)
+        connection.close()

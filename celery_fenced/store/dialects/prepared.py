@@ -34,9 +34,12 @@ except ImportError:  # pragma: no cover - neither psycopg nor psycopg2 installed
 #: gets it, which prepares only what asks for it — the application's queries through a
 #: server-binding cursor would reach it after two billion runs
 _ON_REQUEST_ONLY = 2**31 - 1
+#: no ``cursor_factory`` in a connection's ``OPTIONS``
+_UNSET = object()
 
 if is_psycopg3:
     import psycopg
+    from django.db.backends.postgresql import base as postgresql
 
     class _PreparingCursor(psycopg.Cursor[Any]):
         """Server-side binding, each statement prepared on its first run."""
@@ -44,18 +47,40 @@ if is_psycopg3:
         def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
             return super().execute(query, params, **{**options, "prepare": True})
 
+    #: the cursor classes Django's own PostgreSQL backend gives its connections
+    _DJANGOS_CURSORS: tuple[type, ...] = (postgresql.Cursor, postgresql.ServerBindingCursor)
+
 
 def preparing(connection: BaseDatabaseWrapper) -> bool:
     """Whether the store's statements can be prepared on ``connection`` (PostgreSQL
     through psycopg 3), unless its ``OPTIONS`` say no prepared statements: an explicit
     ``prepare_threshold`` of None or ``server_side_binding`` False (PgBouncer in
-    transaction mode) wins, as on the kept connection (:mod:`celery_fenced.store.owned`)."""
-    if not is_psycopg3 or connection.vendor != "postgresql":
+    transaction mode) wins, as on the kept connection (:mod:`celery_fenced.store.owned`);
+    and only on a backend that makes its cursors as Django's does (:func:`_djangos_cursors`)."""
+    if not is_psycopg3 or connection.vendor != "postgresql" or not _djangos_cursors(connection):
         return False
     options = connection.settings_dict.get("OPTIONS", {})
     return not (
         ("prepare_threshold" in options and options["prepare_threshold"] is None)
         or options.get("server_side_binding") is False
+    )
+
+
+def _djangos_cursors(connection: BaseDatabaseWrapper) -> bool:
+    """Whether ``connection`` makes its cursors as Django's PostgreSQL backend does.
+
+    A backend that makes them its own way (django-tenants sets the schema's
+    ``search_path`` in ``_cursor()``, django-prometheus counts in ``create_cursor()``)
+    must see the store's statements too: they go through its own cursor, unprepared.
+    So do they when ``OPTIONS`` give a ``cursor_factory`` of their own, or a tracer set
+    one on the connection (:func:`cursor`).
+    """
+    wrapper = type(connection)
+    return (
+        getattr(wrapper, "_cursor", None) is getattr(BaseDatabaseWrapper, "_cursor", None)
+        and wrapper.create_cursor is postgresql.DatabaseWrapper.create_cursor
+        and connection.settings_dict.get("OPTIONS", {}).get("cursor_factory", _UNSET)
+        in (_UNSET, *_DJANGOS_CURSORS)
     )
 
 
@@ -71,6 +96,8 @@ def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
     connection.ensure_connection()
     with connection.wrap_database_errors:
         raw = connection.connection
+        if raw.cursor_factory not in _DJANGOS_CURSORS:  # instrumented (a tracer's own)
+            return connection.cursor()
         if raw.prepare_threshold is None:
             raw.prepare_threshold = _ON_REQUEST_ONLY
         connection.validate_thread_sharing()
