@@ -29,13 +29,16 @@ def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
     times = {variant.name: [1.0, 1.0] for variant in VARIANTS}
     cpu = {name: [0.0, 0.0] for name in times}  # a smoke batch can take 0 CPU ticks
     cpu["fenced"] = [0.02, 0.0]
-    counts = {"plain": {"total": 3, "data": 2, "control": 1}}
-    counts["fenced"] = {"total": 4, "data": 3, "control": 1}
-    counts["fenced-all"] = {"total": 4, "data": 3, "control": 1}
-    lines = _lines(10, times, cpu, counts)
+    counts = {"plain": {"total": 3, "data": 2, "control": 1, "exec_ms": 0.2}}
+    counts["fenced"] = {"total": 4, "data": 3, "control": 1, "exec_ms": 0.3}
+    counts["fenced-all"] = {"total": 4, "data": 3, "control": 1, "exec_ms": 0.4}
+    parts = {name: {"worker": [0.0, 0.0], "PostgreSQL": [0.0, 0.0]} for name in times}
+    lines = _lines(10, times, cpu, counts, parts)
     cpu_lines = [line for line in lines if line.case.startswith("CPU")]
-    assert cpu_lines
+    assert len(cpu_lines) == 8  # six comparisons, and the kept variants' two parts
     assert all(line.ratio is None and line.shown_ratio == "" for line in cpu_lines)
+    server = next(line for line in lines if "execution time" in line.case)
+    assert server.ratio == pytest.approx(1.5)
     assert svg(lines).startswith("<svg")
 
 

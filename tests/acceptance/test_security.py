@@ -256,10 +256,15 @@ CONVERTED = [
     PACKAGE / "store" / "dialects" / f"{name}.py"
     for name in ("sql", "sqlite", "postgresql", "mysql", "orm")
 ]
+#: the cursor class the PostgreSQL dialect's statements run through: it executes what the
+#: dialect gives it, which the checks above hold to the statements modules
+PASS_THROUGH = [PACKAGE / "store" / "dialects" / "prepared.py"]
 MODULES = sorted(
     p
     for p in PACKAGE.rglob("*.py")
-    if "migrations" not in p.parts and p not in CONVERTED and STATEMENTS not in p.parents
+    if "migrations" not in p.parts
+    and p not in CONVERTED + PASS_THROUGH
+    and STATEMENTS not in p.parents
 )
 
 
