@@ -34,8 +34,6 @@ except ImportError:  # pragma: no cover - neither psycopg nor psycopg2 installed
 #: gets it, which prepares only what asks for it — the application's queries through a
 #: server-binding cursor would reach it after two billion runs
 _ON_REQUEST_ONLY = 2**31 - 1
-#: no ``cursor_factory`` in a connection's ``OPTIONS``
-_UNSET = object()
 
 if is_psycopg3:
     import psycopg
@@ -72,15 +70,13 @@ def _djangos_cursors(connection: BaseDatabaseWrapper) -> bool:
     A backend that makes them its own way (django-tenants sets the schema's
     ``search_path`` in ``_cursor()``, django-prometheus counts in ``create_cursor()``)
     must see the store's statements too: they go through its own cursor, unprepared.
-    So do they when ``OPTIONS`` give a ``cursor_factory`` of their own, or a tracer set
-    one on the connection (:func:`cursor`).
+    So do they when the connection's ``cursor_factory`` is not Django's (given in
+    ``OPTIONS``, or set by a tracer): :func:`cursor` looks at the connection made.
     """
     wrapper = type(connection)
     return (
         getattr(wrapper, "_cursor", None) is getattr(BaseDatabaseWrapper, "_cursor", None)
         and wrapper.create_cursor is postgresql.DatabaseWrapper.create_cursor
-        and connection.settings_dict.get("OPTIONS", {}).get("cursor_factory", _UNSET)
-        in (_UNSET, *_DJANGOS_CURSORS)
     )
 
 
