@@ -304,6 +304,22 @@ def run_in_threads(target: Callable[[int], None], count: int, timeout: float = 6
         thread.join(timeout)
 
 
+class RolledBack(Exception):
+    """Raised to roll a test's transaction back."""
+
+
+def rolled_back(alias: str, action: Callable[[], Any]) -> None:
+    """Run ``action`` in a transaction on ``alias`` that then rolls back."""
+    from django.db import transaction
+
+    try:
+        with transaction.atomic(using=alias):
+            action()
+            raise RolledBack
+    except RolledBack:
+        pass
+
+
 def side_connection(alias: str) -> Any:
     """A connection of its own to ``alias``'s PostgreSQL or MariaDB database (autocommit)."""
     settings = connections[alias].settings_dict

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +21,12 @@ from celery_fenced import FencedTask, acquire, reclaim
 from celery_fenced.lifecycle import on_task_revoked
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from celery_fenced.outbox import PLAIN_HEADER, resend_pending
-from tests.conftest import WITH_MARIADB, side_connection, terminate_connection
+from tests.conftest import (
+    WITH_MARIADB,
+    rolled_back,
+    side_connection,
+    terminate_connection,
+)
 from tests.integration.test_seams import (
     RUNS,
     Broker,
@@ -48,20 +52,6 @@ def make_due(alias: str, **more: Any) -> None:
     PendingJob.objects.using(alias).update(
         resend_at=F("published_at") - dt.timedelta(seconds=1), **more
     )
-
-
-class RolledBack(Exception):
-    """Raised to roll a test's transaction back."""
-
-
-def rolled_back(alias: str, action: Callable[[], Any]) -> None:
-    """Run ``action`` in a transaction on ``alias`` that then rolls back."""
-    try:
-        with transaction.atomic(using=alias):
-            action()
-            raise RolledBack
-    except RolledBack:
-        pass
 
 
 def test_rolled_back_transaction__nothing_sent_nothing_left(broker: Broker, lease_db: str) -> None:

@@ -11,7 +11,7 @@ Every test runs through the public API on the real server.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,18 +21,20 @@ from django.test.utils import CaptureQueriesContext
 
 from celery_fenced import acquire
 from celery_fenced.models import Lease, PendingJob
-from tests.conftest import DATABASE_ALIASES, side_connection
-from tests.integration.test_kept_connection import backend_pid, eventually, session_ended
-from tests.integration.test_seams import Broker, deliver, status
+from tests.conftest import DATABASE_ALIASES, RolledBack, rolled_back, side_connection
+from tests.integration.test_kept_connection import (
+    backend_pid,
+    deliver_id,
+    eventually,
+    publish,
+    session_ended,
+)
+from tests.integration.test_seams import Broker, status
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
     pytest.mark.timeout(120),
 ]
-
-
-class RolledBack(Exception):
-    """Raised to roll a transaction of the test's back."""
 
 
 @pytest.fixture
@@ -69,29 +71,11 @@ def cycle(alias: str, key: str) -> tuple[int, int]:
     return lease.token, permit.token
 
 
-def rolled_back(alias: str, action: Callable[[], Any]) -> None:
-    try:
-        with transaction.atomic(using=alias):
-            action()
-            raise RolledBack
-    except RolledBack:
-        pass
-
-
-def publish(broker: Broker, value: str) -> str:
-    return str(broker.app.signature("seams.step", (value,)).apply_async().id)
-
-
 def end_session(alias: str, pid: int) -> None:
     """End the server session ``pid`` (``pg_terminate_backend``) and wait until it has."""
     with side_connection(alias) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", [pid])
     assert eventually(lambda: session_ended(alias, pid))
-
-
-def deliver_id(broker: Broker, task_id: str) -> None:
-    (message,) = [m for m in broker.sent("seams.step") if m[0]["id"] == task_id]
-    deliver(broker.app, message)
 
 
 # 1. Transactions
