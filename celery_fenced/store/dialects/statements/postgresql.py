@@ -1,6 +1,15 @@
 """PostgreSQL's statements (:class:`~celery_fenced.store.dialects.postgresql.PostgreSQL`).
 
 Times are ``statement_timestamp()``, plus or minus ``%(x)s::float8`` seconds.
+
+A statement that finds a lease row by its key (or id, or permit job) says "unreleased"
+as ``(released_at IS NULL) IS TRUE``: the planner cannot read the lease table's partial
+indexes of unreleased rows for it (their predicate says ``released_at IS NULL``). The
+statements are prepared, and a prepared statement's generic plan, made while few leases
+were held, would scan those indexes instead of the key's: cheap when made, slower with
+every grant (each adds its entries, dead ones until a vacuum) until the next ANALYZE.
+The one partial index such a statement must read, of one permit per job, spells its
+predicate the same way (migration 0018).
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ RENEW: LiteralString = """WITH v(k, t, o, ttl) AS (
         expires_at = statement_timestamp() + v.ttl * interval '1 second'
     FROM v
     WHERE celery_fenced_lease.key = v.k AND celery_fenced_lease.token = v.t
-      AND celery_fenced_lease.owner = v.o AND celery_fenced_lease.released_at IS NULL
+      AND celery_fenced_lease.owner = v.o
+      AND (celery_fenced_lease.released_at IS NULL) IS TRUE
       AND celery_fenced_lease.expires_at > statement_timestamp()
     RETURNING celery_fenced_lease.key, celery_fenced_lease.token,
               celery_fenced_lease.expires_at"""
@@ -80,7 +90,7 @@ RECORD_EVENT: LiteralString = (
 # Whether the grant is held: the key's token, owner, unreleased, unexpired.
 IS_CURRENT: LiteralString = """SELECT 1 FROM celery_fenced_lease
     WHERE key = %(key)s AND token = %(token)s AND owner = %(owner)s
-      AND released_at IS NULL AND expires_at > statement_timestamp()"""
+      AND (released_at IS NULL) IS TRUE AND expires_at > statement_timestamp()"""
 
 # -- name: current_token --
 # The key's current (or last) token.
@@ -195,7 +205,7 @@ _DISPLACED_HEAD: LiteralString = (
         WHERE """
 )
 _DISPLACED_TAIL: LiteralString = """
-          AND g.reclaimed_from <> '' AND p.released_at IS NULL
+          AND g.reclaimed_from <> '' AND (p.released_at IS NULL) IS TRUE
           AND p.job IS NOT NULL AND p.task_id NOT IN ('', %(task_id)s)
           AND p.reclaim_state <> 'abandoned'
         ON CONFLICT (task_id) DO UPDATE
@@ -331,7 +341,7 @@ _PERMIT_ABOVE: LiteralString = (
               WHERE x.key IN ("""
     + _ABOVE
     + """)
-                AND x.released_at IS NULL
+                AND (x.released_at IS NULL) IS TRUE
                 AND x.expires_at > statement_timestamp())"""
 )
 #: a released permit (the routine grant) or an expired one too (the takeover)
@@ -351,7 +361,7 @@ _PERMIT_NOT_HELD: LiteralString = """
           AND NOT EXISTS (  -- this job holds another permit of the key
               SELECT 1 FROM celery_fenced_lease s
               WHERE s.permit_job = md5(%(key)s::text || chr(31) || %(task_id)s::text)
-                AND s.released_at IS NULL AND s.id <> p.id)),
+                AND (s.released_at IS NULL) IS TRUE AND s.id <> p.id)),
     pick AS (
         SELECT p.id FROM celery_fenced_lease p
         WHERE p.id IN (SELECT f.id FROM free f)
@@ -533,7 +543,7 @@ ESTIMATED_ROWS: LiteralString = "SELECT reltuples FROM pg_class WHERE oid = to_r
 _RELEASE_WHERE: LiteralString = """
         WHERE key = %(key)s AND token = %(token)s
           AND (%(only_owner)s::text IS NULL OR owner = %(only_owner)s::text)
-          AND released_at IS NULL
+          AND (released_at IS NULL) IS TRUE
         RETURNING id, token)"""
 _RELEASE: LiteralString = (
     """WITH r AS (
@@ -645,7 +655,7 @@ RELEASE: Mapping[tuple[str, bool, str], LiteralString] = {
 FORCE_RELEASE: LiteralString = (
     """WITH r AS (
         UPDATE celery_fenced_lease SET released_at = statement_timestamp(), job = NULL
-        WHERE key = %(key)s AND released_at IS NULL
+        WHERE key = %(key)s AND (released_at IS NULL) IS TRUE
           AND (%(task_id)s::text IS NULL OR task_id = %(task_id)s::text)
           AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
         RETURNING id, token, owner, task_id, acquired_at),

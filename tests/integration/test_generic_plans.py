@@ -1,0 +1,80 @@
+"""The store's prepared statements keep finding a key's row by its key.
+
+A prepared statement runs on a generic plan after its first few runs, and keeps that
+plan until the table's statistics change. Made while few leases are held, a plan could
+read the partial indexes of unreleased rows (``celery_fenced_lease_unreleased``,
+``celery_fenced_lease_reclaim``) instead of the key's own index: they look empty then,
+and every grant and release adds entries to them (dead ones until a vacuum), so that
+plan slows down with every grant until the next ANALYZE. The statements that find a
+row by its key or id are written so that the planner cannot use those indexes for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import connections, transaction
+
+from celery_fenced import acquire, force_release
+from celery_fenced.models import Lease
+from tests.conftest import DATABASE_ALIASES
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
+    pytest.mark.timeout(120),
+]
+
+PARTIAL_INDEXES = ("celery_fenced_lease_unreleased", "celery_fenced_lease_reclaim")
+
+
+@pytest.fixture
+def generic_plans(lease_db: str, settings: Any) -> Iterator[str]:
+    """PostgreSQL with many released leases, analyzed (the partial indexes look empty),
+    the store's statements prepared, on a session that plans them generically at once."""
+    if lease_db != "postgres":
+        pytest.skip("generic plans of prepared statements are PostgreSQL's")
+    settings.CELERY_FENCED_PREPARE = True
+    connection = connections[lease_db]
+    connection.close()
+    for n in range(300):
+        acquire(f"released:{n}", ttl=30, using=lease_db).release()
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE celery_fenced_lease")
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+    yield lease_db
+    connection.close()
+
+
+def scans(alias: str) -> dict[str, int]:
+    """The scans of the lease table (sequential) and of each of its indexes in the current
+    transaction of ``alias``'s session."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname, pg_stat_get_xact_numscans(c.oid) FROM pg_class c"
+            " WHERE c.oid = 'celery_fenced_lease'::regclass OR c.oid IN"
+            " (SELECT indexrelid FROM pg_index WHERE indrelid = 'celery_fenced_lease'::regclass)"
+        )
+        return {str(name): int(count) for name, count in cursor.fetchall()}
+
+
+def test_key_addressed_statements_never_read_the_partial_indexes(generic_plans: str) -> None:
+    alias = generic_plans
+    with transaction.atomic(using=alias):
+        for round_no in range(3):  # past the first runs, on the generic plans
+            lease = acquire(f"key:{round_no}", ttl=30, task_id=f"job-{round_no}", using=alias)
+            lease.renew()
+            lease.check()
+            assert lease.release()
+            permit = acquire("permits", ttl=30, limit=4, task_id=f"p-{round_no}", using=alias)
+            permit.renew()
+            assert permit.release()
+            held = acquire(f"forced:{round_no}", ttl=30, using=alias)
+            assert force_release(held.key, by="test", using=alias) == held.token
+        counted = scans(alias)
+    assert {name: counted[name] for name in PARTIAL_INDEXES} == dict.fromkeys(PARTIAL_INDEXES, 0)
+    # the permit job's index is still read (its predicate spelled as the statements do)
+    assert counted["celery_fenced_lease_key_uniq"] > 0
+    assert counted["celery_fenced_lease_one_permit_per_job"] > 0
+    assert Lease._default_manager.using(alias).filter(released_at__isnull=True).count() == 0
