@@ -115,7 +115,8 @@ class Lease(models.Model):
         ]
         # Not declared here, made by the migrations for each database family (see
         # 0008_mysql_family): on PostgreSQL and SQLite the partial unique index
-        # ``celery_fenced_lease_one_permit_per_job`` (permit_job among unreleased permits)
+        # ``celery_fenced_lease_one_permit_per_job`` (permit_job among unreleased permits;
+        # on PostgreSQL its predicate says ``(released_at IS NULL) IS TRUE``: 0018)
         # and the partial indexes ``celery_fenced_lease_reclaim`` (expires_at of
         # unreleased grants with a job) and ``celery_fenced_lease_unreleased``; on the MySQL
         # family a unique index on a generated column, and the keys' binary collation.

@@ -143,7 +143,9 @@ class PermitGranter:
                     permit_job=job,
                 )
         except IntegrityError:
-            other = rows.filter(permit_job=job, released_at__isnull=True).first()
+            # among the key's permits: read through the keys' index (on PostgreSQL the
+            # permit job's index takes no plain ``released_at IS NULL``: migration 0018)
+            other = rows.filter(key__in=names, permit_job=job, released_at__isnull=True).first()
             expires = other.expires_at if other is not None else now
             return Holder(
                 other.token if other is not None else 0,

@@ -314,8 +314,8 @@ _PERMIT_COMPLETED: LiteralString = (
     + _COMPLETED
     + """)
           AND NOT EXISTS (SELECT 1 FROM celery_fenced_lease l
-                          WHERE (l.key = %(key)s OR l.key = ANY(%(names)s::text[])
-                                 OR l.key IN ("""
+                          WHERE l.key = ANY(ARRAY[%(key)s::text] || %(names)s::text[]
+                                            || ARRAY("""
     + _ABOVE
     + """))
                             AND """
