@@ -554,9 +554,13 @@ def main(argv: list[str]) -> None:
         return
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)
-    rabbitmq = spawn_rabbitmq(base)  # it boots (~7 s) while the others start
-    env = {**start_postgres(base), **start_redis(base), **start_mariadb(base), **rabbitmq}
-    wait_rabbitmq(rabbitmq)
+    try:
+        rabbitmq = spawn_rabbitmq(base)  # it boots (~7 s) while the others start
+        env = {**start_postgres(base), **start_redis(base), **start_mariadb(base), **rabbitmq}
+        wait_rabbitmq(rabbitmq)
+    except BaseException:  # one failed (sys.exit included): stop those already running
+        stop(base)
+        raise
     for name, value in env.items():
         print(f"export {name}='{value}'")
 
