@@ -114,9 +114,8 @@ def settle(ctx: Context) -> None:
 def run_alone(ctx: Context, function: Callable[[Context], list[Line]]) -> list[Line]:
     """Run one row in a forked process of its own and bring back its lines and raw data.
 
-    Rows run one after another in one process were slowed by what the earlier rows left
-    in it (the same statement took three times as long in the runner as in a fresh
-    process at the same moment), so each row starts from the state ``prepare`` left.
+    Each row starts from the state ``prepare`` left in this process: no thread, connection
+    or cache of an earlier row, and one row's crash is reported, with its traceback.
     """
     import multiprocessing
 
@@ -128,7 +127,8 @@ def run_alone(ctx: Context, function: Callable[[Context], list[Line]]) -> list[L
     try:
         outcome = receive.recv()
     except EOFError:
-        outcome = ("error", "the row's process died before it reported")
+        child.join()
+        outcome = ("error", f"the row's process died (exit code {child.exitcode})")
     child.join()
     if outcome[0] == "error":
         raise RuntimeError(f"{function.__module__}: {outcome[1]}")
