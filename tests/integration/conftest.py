@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery, signals
 from django.contrib.auth.models import Permission, User
+from django.db import connections
 from django.test import Client
 
 from celery_fenced import hooks
@@ -21,6 +22,18 @@ from tests.integration.test_seams import FAILING, GATES, RUNS, Broker, make_app
 
 def pytest_configure(config: pytest.Config) -> None:
     require_servers()
+
+
+@pytest.fixture
+def prepared_pg(lease_db: str, settings: Any) -> Iterator[str]:
+    """The PostgreSQL alias, ``fenced_prepare`` on, on a new session (skipped elsewhere:
+    the store's statements are prepared on PostgreSQL only)."""
+    if lease_db != "postgres":
+        pytest.skip("the store's statements are prepared on PostgreSQL only")
+    settings.CELERY_FENCED_PREPARE = True
+    connections[lease_db].close()
+    yield lease_db
+    connections[lease_db].close()
 
 
 @pytest.fixture

@@ -12,9 +12,6 @@ nor read the whole table (a permit grant's check for a completed job did, on any
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 from django.db import connections, transaction
 
@@ -36,15 +33,10 @@ RELEASED_ROWS = 20_000
 
 
 @pytest.fixture(params=["force_generic_plan", "force_custom_plan"])
-def planned(request: pytest.FixtureRequest, lease_db: str, settings: Any) -> Iterator[str]:
+def planned(request: pytest.FixtureRequest, prepared_pg: str) -> str:
     """PostgreSQL with many released leases, analyzed (the partial indexes look empty),
     the store's statements prepared, on a session planning them one way only."""
-    if lease_db != "postgres":
-        pytest.skip("prepared statements' plans are PostgreSQL's")
-    settings.CELERY_FENCED_PREPARE = True
-    connection = connections[lease_db]
-    connection.close()
-    with connection.cursor() as cursor:
+    with connections[prepared_pg].cursor() as cursor:
         cursor.execute(
             f"INSERT INTO celery_fenced_lease {LEASE_COLUMNS}"
             " SELECT 'released:' || g, 1, 'o', 't' || g, 'n', now(), now(), now(), now(),"
@@ -52,8 +44,7 @@ def planned(request: pytest.FixtureRequest, lease_db: str, settings: Any) -> Ite
         )
         cursor.execute("ANALYZE celery_fenced_lease")
         cursor.execute(f"SET plan_cache_mode = {request.param}")
-    yield lease_db
-    connection.close()
+    return prepared_pg
 
 
 def scans(alias: str) -> dict[str, int]:

@@ -11,7 +11,6 @@ Every test runs through the public API on the real server.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,14 +37,9 @@ pytestmark = [
 
 
 @pytest.fixture
-def pg(lease_db: str, settings: Any) -> Iterator[str]:
+def pg(prepared_pg: str) -> str:
     """The PostgreSQL alias, ``fenced_prepare`` on, on a new session."""
-    if lease_db != "postgres":
-        pytest.skip("the store's statements are prepared on PostgreSQL only")
-    settings.CELERY_FENCED_PREPARE = True
-    connections[lease_db].close()
-    yield lease_db
-    connections[lease_db].close()
+    return prepared_pg
 
 
 def prepared(alias: str) -> list[str]:
