@@ -90,7 +90,8 @@ def capture(alias: str) -> Statements:
     from celery_fenced.store import dialects
 
     log: list[tuple[str, dict[str, Any]]] = []
-    fetch = dialects.SQLDialect._fetch
+    dialect = type(dialects.for_alias(alias))  # the class whose _fetch sends each statement
+    fetch = dialect._fetch
 
     def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
         # plain values (an event kind is the model's enum): the templates go to spawned
@@ -101,7 +102,7 @@ def capture(alias: str) -> Statements:
 
     for _ in range(5):  # until the probe's token and lease id differ from each other
         recorded: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        with mock.patch.object(dialects.SQLDialect, "_fetch", recording):
+        with mock.patch.object(dialect, "_fetch", recording):
             log[:] = []
             lease = acquire(PROBE_KEY, ttl=TTL, owner=PROBE_OWNER, using=alias)
             recorded["grant"], log[:] = list(log), []

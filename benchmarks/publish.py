@@ -242,13 +242,13 @@ def _floor(
 
     task = uuid.uuid4().hex
     log: list[tuple[str, dict[str, Any]]] = []
-    fetch = dialects.SQLDialect._fetch
+    fetch = dialects.PostgreSQL._fetch  # each of its statements is sent through it
 
     def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
         log.append((sql, dict(params)))
         return fetch(self, sql, params)
 
-    with mock.patch.object(dialects.SQLDialect, "_fetch", recording):
+    with mock.patch.object(dialects.PostgreSQL, "_fetch", recording):
         probe(task)
     if not log or not any(task in str(v) for _, params in log for v in params.values()):
         raise RuntimeError("the probe's publish sent no statement naming its task id")

@@ -67,4 +67,6 @@ def __getattr__(name: str) -> Any:
     from celery_fenced.installed import require_apps
 
     require_apps()  # names both apps, instead of Django's error about a model class
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found directly from now on: this lookup costs a call's time
+    return value

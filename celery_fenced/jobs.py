@@ -166,6 +166,9 @@ def _portable_headers(headers: Any) -> dict[str, Any]:
     for name, value in headers.items():
         if not isinstance(name, str) or name.startswith("_"):
             continue
+        if keys.unchanged_by_json(value):  # written as it is (a key header's string)
+            kept[name] = value
+            continue
         try:
             serialization.dumps(value, serializer="json")
         except Exception:

@@ -230,9 +230,30 @@ KEY_HEADER = "fenced_lease_key"
 def as_carried(args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` as a worker decodes them from a message written with
     ``serializer``: the arguments a key is worked out from, at publish as at run time."""
+    if serializer == "json" and unchanged_by_json(list(args)) and unchanged_by_json(dict(kwargs)):
+        return list(args), dict(kwargs)  # what the round trip would give back, not a copy
     content_type, encoding, data = serialization.dumps([list(args), dict(kwargs)], serializer)
     carried = serialization.loads(data, content_type, encoding, accept={content_type})
     return carried[0], carried[1]
+
+
+#: the types JSON writes and reads back as the very same type and value (exactly these:
+#: a subclass, an ``IntEnum``, is written as its base's value and read back as that)
+_JSON_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def unchanged_by_json(value: Any) -> bool:
+    """Whether ``value`` reads back from JSON equal and of the same types: strings,
+    numbers, booleans and None, in lists and in dicts with string keys. (A tuple comes
+    back a list, a dict's int key a string, a date a string.)"""
+    kind = type(value)
+    if kind in _JSON_PLAIN:
+        return True
+    if kind is list:
+        return all(map(unchanged_by_json, value))
+    if kind is dict:
+        return all(type(k) is str and unchanged_by_json(v) for k, v in value.items())
+    return False
 
 
 def publish_key(

@@ -312,9 +312,7 @@ def connect() -> None:
         signals.grant_ended: _on_grant_ended,
     }
     for signal, receiver in receivers.items():
-        signal.connect(
-            receiver, weak=False, dispatch_uid=f"celery_fenced.metrics.{receiver.__name__}"
-        )
+        signals.listen(signal, receiver)
     _connected = True
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from celery.app.task import Context
 from celery.utils import uuid
 
-from celery_fenced import context, keys, outbox
+from celery_fenced import conf, context, keys, outbox
 from celery_fenced.task_options import FencedOptions
 
 logger = logging.getLogger("celery_fenced.execution")
@@ -18,12 +18,19 @@ logger = logging.getLogger("celery_fenced.execution")
 class Publishing(FencedOptions):
     """A fenced task's ``apply_async``: the key stamped on the message, the outbox's send."""
 
-    def publish_key(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> str | None:
+    def publish_key(
+        self,
+        args: Any,
+        kwargs: Any,
+        options: Mapping[str, Any],
+        fenced: conf.TaskOptions | None = None,
+    ) -> str | None:
         """The lease key of a job of this task being published with ``options``, decided
         now, once, for every copy of its message (:data:`keys.KEY_HEADER`): the key the
         options' headers already carry (a retry's, a re-send's), the running lease's for
         a retry of the running job, else rendered from the arguments as the message
         carries them. None when the arguments give no key: the worker reports that.
+        ``fenced``: the task's options, when the caller has them already.
 
         A key header decided for another job (a parent's headers passed on) is not this
         job's; a retry with other arguments (``retry(args=...)``) works on what they name,
@@ -39,7 +46,7 @@ class Publishing(FencedOptions):
             if retried and running:
                 return str(running)
         try:
-            spec = self.fenced_options().key
+            spec = (fenced or self.fenced_options()).key
             return keys.publish_key(
                 self.name, spec, self.run, args or (), kwargs or {}, serializer
             )
@@ -71,9 +78,10 @@ class Publishing(FencedOptions):
                 return celery_apply_async(*args, **options)
 
         chosen = task_id or uuid()
-        key = self.publish_key(args, kwargs, {**options, "task_id": chosen})
+        fenced = self.fenced_options()
+        key = self.publish_key(args, kwargs, {**options, "task_id": chosen}, fenced)
         keys.stamp_key(options, key, self.name, chosen)
-        if more or not self.fenced_options().outbox:
+        if more or not fenced.outbox:
             return plain(args, kwargs, chosen, *more, **options)
         if outbox.sends_at_once():
             logger.info(
@@ -95,7 +103,7 @@ class Publishing(FencedOptions):
         publisher = outbox.Publisher(
             self.app,
             self.name,
-            self.fenced_options().unique,
+            fenced.unique,
             self.AsyncResult,  # type: ignore[attr-defined]
         )
         result = outbox.publish(publisher, args, kwargs, chosen, options, send, key=key or "")

@@ -107,8 +107,8 @@ def grant(
     limit = validators.validate_limit(limit, "limit")
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
-    alias = database_alias(using)
     settings = conf.load()
+    alias = database_alias(using, settings)
     window = settings.duplicate_window if delivery is not None else 0.0
     routine = settings.routine_events
     sent = time.monotonic()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
-import uuid
 
 from django.db import router
 
@@ -15,20 +15,25 @@ from celery_fenced.keys import check_key
 from celery_fenced.models import OWNER_MAX_LENGTH, Lease
 
 
-def database_alias(using: str | None = None) -> str:
-    """The database alias of the lease table: ``using``, ``fenced_database`` or the router's."""
+def database_alias(using: str | None = None, settings: conf.FencedSettings | None = None) -> str:
+    """The database alias of the lease table: ``using``, ``fenced_database`` or the router's.
+
+    ``settings``: the settings already loaded by the caller (default: loaded here)."""
     if using is not None:
         return using
-    configured = conf.load().database
+    configured = (settings or conf.load()).database
     return configured or router.db_for_write(Lease)
 
 
 def default_owner() -> str:
     """``host:pid:thread:random`` — unique per call, readable in the admin."""
-    return (
-        f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident() % 100000}:"
-        f"{uuid.uuid4().hex[:8]}"
-    )
+    return f"{_host()}:{os.getpid()}:{threading.get_ident() % 100000}:{os.urandom(4).hex()}"
+
+
+@functools.cache
+def _host() -> str:
+    """This machine's name, asked once per process (a system call each time otherwise)."""
+    return socket.gethostname()
 
 
 def validate_key(key: object) -> str:

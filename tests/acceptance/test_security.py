@@ -240,7 +240,7 @@ def sql_sources(path: Path) -> list[tuple[str, ast.expr, ast.FunctionDef | None,
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("execute", "_fetch", "raw", "extra")
+            and node.func.attr in ("execute", "_fetch", "_send", "raw", "extra")
             and node.args
         ):
             found.append(

@@ -18,7 +18,7 @@ DIALECTS = PACKAGE / "store" / "dialects"
 STATEMENTS = sorted(p for p in (DIALECTS / "statements").glob("*.py") if p.stem != "__init__")
 #: the dialect modules that execute only statements of their statements module
 CONVERTED = [DIALECTS / f"{name}.py" for name in ("sql", "sqlite", "postgresql", "mysql", "orm")]
-EXECUTING = ("execute", "_fetch", "raw", "extra", "_unless_conflicting")
+EXECUTING = ("execute", "_fetch", "_send", "raw", "extra", "_unless_conflicting")
 PLACEHOLDER = re.compile(r"%(\(\w+\)s|%)")
 
 

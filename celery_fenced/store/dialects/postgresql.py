@@ -61,7 +61,7 @@ class PostgreSQL(SQLDialect):
         a column a prepared statement returns (its session's statement is stale for
         good), outside a transaction."""
         try:
-            return super()._fetch(sql, params)
+            return self._send(sql, params)
         except NotSupportedError as exc:
             connection = self.connection
             if (
@@ -71,7 +71,19 @@ class PostgreSQL(SQLDialect):
             ):
                 raise
             prepared.end_session(connection)
-            return super()._fetch(sql, params)
+            return self._send(sql, params)
+
+    def _send(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """On a cursor kept with the session when nothing else looks at the connection's
+        cursors (:func:`.prepared.fetch`), else on a cursor of Django's (:meth:`_cursor`)."""
+        connection = self.connection
+        if self._connection is not None:
+            rows = prepared.fetch(connection, sql, params, prepare=False)
+        elif prepared.preparing(connection) and conf.load().prepare:
+            rows = prepared.fetch(connection, sql, params, prepare=True)
+        else:
+            rows = None
+        return rows if rows is not None else super()._fetch(sql, params)
 
     def estimated_rows(self, table: str) -> int | None:
         rows = self._fetch(sql.ESTIMATED_ROWS, {"table": self.connection.ops.quote_name(table)})

@@ -19,6 +19,7 @@ reconnection and made again). ``OPTIONS`` that refuse prepared statements
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -99,6 +100,79 @@ def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
         connection.validate_thread_sharing()
         made: Any = _PreparingCursor(raw)
         return connection.make_cursor(made)
+
+
+#: where :func:`fetch` keeps its cursor on a connection: (the session, prepare?, cursor)
+_KEPT = "_celery_fenced_cursor"
+#: Django's own ``CursorWrapper.execute`` (an APM may replace it): its code, checked once
+#: per function seen
+_WRAPPER_SEEN: list[Any] = [None, False]
+
+
+def fetch(
+    connection: BaseDatabaseWrapper,
+    sql: str,
+    params: Sequence[Any] | Mapping[str, Any],
+    *,
+    prepare: bool,
+) -> list[tuple[Any, ...]] | None:
+    """The rows of one of the store's statements, sent on a psycopg cursor kept with the
+    session, or None: send it through Django's cursor (:meth:`cursor`) instead.
+
+    Django's cursor wrapper, made and closed for every statement, costs more than the
+    statement's own Python in psycopg; the store's statements need none of it when
+    nothing else would see them there. So this does what Django's cursor does for a
+    statement — the health check, the connection, the thread check, the broken-
+    transaction check, the translation of errors — on one cursor per session, and is
+    used only while nothing else looks at the connection's cursors: no query logging, no
+    execute wrapper, no thread sharing, Django's own ``CursorWrapper.execute`` (an APM
+    that replaces it sees the statements through it) and a backend that makes its
+    cursors as Django's does.
+
+    ``prepare``: a cursor that prepares each statement on its first run (see
+    :func:`cursor`); otherwise the connection's own cursor class (a kept connection
+    prepares by its ``OPTIONS``).
+    """
+    if (
+        not is_psycopg3
+        or connection.queries_logged
+        or connection.execute_wrappers
+        or connection.allow_thread_sharing
+        or not _djangos_wrapper()
+        or not _djangos_cursors(connection)
+    ):
+        return None
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    kept = connection.__dict__.get(_KEPT)
+    if kept is None or kept[0] is not raw or kept[1] is not prepare:
+        if raw.cursor_factory not in _DJANGOS_CURSORS:  # instrumented (a tracer's own)
+            return None
+        if prepare and raw.prepare_threshold is None:
+            raw.prepare_threshold = _ON_REQUEST_ONLY
+        kept = (raw, prepare, _PreparingCursor(raw) if prepare else raw.cursor())
+        connection.__dict__[_KEPT] = kept
+    connection.validate_thread_sharing()
+    connection.validate_no_broken_transaction()
+    with connection.wrap_database_errors:
+        found = kept[2]
+        found.execute(sql, params)
+        return found.fetchall()
+
+
+def _djangos_wrapper() -> bool:
+    """Whether ``CursorWrapper.execute`` is Django's own (no APM replaced it)."""
+    execute = CursorWrapper.execute
+    if _WRAPPER_SEEN[0] is not execute:
+        code = getattr(execute, "__code__", None)
+        _WRAPPER_SEEN[:] = [
+            execute,
+            code is not None
+            and code.co_name == "execute"
+            and code.co_filename.replace("\\", "/").endswith("django/db/backends/utils.py"),
+        ]
+    return bool(_WRAPPER_SEEN[1])
 
 
 def plan_changed(exc: BaseException) -> bool:
