@@ -272,6 +272,63 @@ def test_capture_queries__real_sql_text_and_counts(pg: str, settings: Any) -> No
     assert any("celery_fenced_lease" in query["sql"] for query in queries)
 
 
+def test_patched_cursor_wrapper__an_apm_sees_every_statement_of_the_store(
+    pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An APM that replaces ``CursorWrapper.execute`` (Sentry, Scout: ``functools.wraps``
+    over Django's) sees the store's statements: they leave the session's kept cursor for
+    Django's while it is replaced, and go back to it after."""
+    import functools
+
+    from django.db.backends.utils import CursorWrapper
+
+    djangos = CursorWrapper.execute
+    seen: list[str] = []
+
+    @functools.wraps(djangos)
+    def traced(self: Any, sql: str, params: Any = None) -> Any:
+        seen.append(sql)
+        return djangos(self, sql, params)
+
+    monkeypatch.setattr(CursorWrapper, "execute", traced)
+    cycle(pg, "traced")
+    assert any("INSERT INTO celery_fenced_lease" in sql for sql in seen)
+    assert leases_statements(pg)
+
+    monkeypatch.setattr(CursorWrapper, "execute", djangos)
+    seen.clear()
+    cycle(pg, "untraced")
+    assert seen == []  # the kept cursor again: nothing goes through Django's
+
+
+def test_kept_cursor__one_per_session_and_left_while_the_connection_is_shared(pg: str) -> None:
+    """The store's statements reuse one cursor of the session, a new one after the
+    session is replaced; while the connection is shared between threads (Django's
+    ``inc_thread_sharing``) they go through Django's cursor, made per statement."""
+    from celery_fenced.store.dialects import prepared as preparing
+
+    connection = connections[pg]
+    cycle(pg, "kept")
+    first = connection.__dict__[preparing._KEPT]
+    cycle(pg, "kept")
+    assert connection.__dict__[preparing._KEPT] is first
+
+    connection.close()
+    cycle(pg, "kept")
+    again = connection.__dict__[preparing._KEPT]
+    assert again[0] is connection.connection
+    assert again[0] is not first[0]
+
+    del connection.__dict__[preparing._KEPT]
+    connection.inc_thread_sharing()
+    try:
+        cycle(pg, "shared-thread")
+    finally:
+        connection.dec_thread_sharing()
+    assert preparing._KEPT not in connection.__dict__
+    assert leases_statements(pg)
+
+
 def test_djangos_own_queries__never_prepared_on_the_shared_session(pg: str) -> None:
     """The store's statements prepared on Django's session leave the application's own
     queries unprepared there, however often they run (the ORM, a raw cursor)."""

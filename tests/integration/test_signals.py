@@ -103,6 +103,31 @@ def test_send__logs_the_receiver_and_returns(
     assert "stale_write_rejected" in caplog.text
 
 
+def test_send__a_listener_of_the_package_is_called_as_a_receiver_and_may_raise(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The package's own listeners (the metrics) are called without Django's dispatch,
+    with what a receiver gets; one that raises is logged and the others still run."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
+    signals.listen(signals.stale_write_rejected, broken_receiver)
+    signals.listen(signals.stale_write_rejected, lambda **kwargs: calls.append(kwargs))
+    signals.listen(signals.stale_write_rejected, broken_receiver)  # once however often
+    with caplog.at_level(logging.WARNING, logger="celery_fenced.signals"):
+        signals.send(signals.stale_write_rejected, Lease, key="k", token=3, owner="o", current=4)
+    assert caplog.text.count("broken_receiver of celery_fenced signal stale_write_rejected") == 1
+    assert calls == [
+        {
+            "signal": signals.stale_write_rejected,
+            "sender": Lease,
+            "key": "k",
+            "token": 3,
+            "owner": "o",
+            "current": 4,
+        }
+    ]
+
+
 @pytest.fixture
 def received() -> Iterator[Callable[[Signal], list[dict[str, Any]]]]:
     """Record what a signal is sent with; disconnected afterwards."""

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
+import enum
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from celery import Celery
+from kombu import serialization
 
 from celery_fenced.exceptions import FencedConfigurationError, FencedError
 from celery_fenced.execution import FencedTask
-from celery_fenced.keys import check_template, default_key, named_arguments, render_key
+from celery_fenced.keys import (
+    as_carried,
+    check_template,
+    default_key,
+    named_arguments,
+    render_key,
+    unchanged_by_json,
+)
 from celery_fenced.models import KEY_MAX_LENGTH
 
 
@@ -301,3 +313,65 @@ def test_named_arguments__plain_signatures_as_bind_partial_gives_them(
     assert got == expected
     if isinstance(got, dict):
         assert list(got) == list(expected)
+
+
+# -- arguments as a message carries them --------------------------------------------------
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Name(str):
+    """A str subclass: JSON writes it as a plain string."""
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "text",
+        "ünïcode \ud800",  # a lone surrogate: escaped by JSON, read back the same
+        0,
+        -(2**80),
+        True,
+        None,
+        1.5,
+        -0.0,
+        1e308,
+        float("inf"),
+        [1, "a", [None, {"k": 2.5}]],
+        {"b": 1, "a": {"c": [True, False]}},
+        (1, 2),
+        [(1, 2)],
+        {1: "int key"},
+        {"k": (1,)},
+        Colour.RED,
+        Name("sub"),
+        dt.date(2026, 12, 6),
+        decimal.Decimal("1.10"),
+        uuid.UUID(int=7),
+        b"bytes",
+    ],
+    ids=repr,
+)
+def test_as_carried__the_json_round_trip_or_what_it_would_give(value: Any) -> None:
+    """Arguments that read back from JSON unchanged skip the round trip; the key decided
+    at publish is the one the round trip gives for every value, and what ``"{x}"`` and the
+    default key make of it the same."""
+    args, kwargs = [value], {"x": value}
+    content_type, encoding, data = serialization.dumps([args, kwargs], "json")
+    expected = serialization.loads(data, content_type, encoding, accept={content_type})
+    carried = as_carried((value,), {"x": value}, "json")
+    assert repr(list(carried)) == repr(expected)
+    assert [type(v) for v in carried[0]] == [type(v) for v in expected[0]]
+    assert render("{x}", kwargs=carried[1]) == render("{x}", kwargs=expected[1])
+    assert _key_or_error(carried) == _key_or_error(expected)
+    if unchanged_by_json(value):  # the fast path's claim: the same value, the same types
+        assert repr(value) == repr(expected[0][0])
+        assert type(value) is type(expected[0][0])
+
+
+def _key_or_error(carried: Any) -> str:
+    """The default key of carried arguments, or the error that refuses them."""
+    try:
+        return default_key("t", carried[0], carried[1])
+    except FencedError as exc:
+        return f"refused: {exc}"
