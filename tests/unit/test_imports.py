@@ -163,3 +163,15 @@ def test_is_fenced_task__as_isinstance_of_the_execution(task: object, fenced: bo
 )
 def test_is_fenced_backend__as_issubclass_of_the_backend(backend: object, fenced: bool) -> None:
     assert roles.is_fenced_backend(backend) is fenced
+
+
+def test_names_imported_on_first_use__looked_up_once_then_kept() -> None:
+    """``celery_fenced.acquire`` and the other names imported on first use are found
+    through the module's ``__getattr__`` once, then as plain attributes of the package."""
+    import celery_fenced
+    from celery_fenced import store
+
+    for name in ("acquire", "force_release", "HeldLease"):
+        celery_fenced.__dict__.pop(name, None)
+        assert getattr(celery_fenced, name) is getattr(store, name)
+        assert celery_fenced.__dict__[name] is getattr(store, name)

@@ -7,9 +7,11 @@ on its planning than on its work. With ``fenced_prepare`` (on by default) and ps
 the store runs them through a cursor of Django's connection that binds on the server and
 prepares the statement on its first run: once per connection, not once per call.
 
-The cursor is wrapped as Django wraps its own (:meth:`cursor`): execute wrappers, error
-translation and the connection's health checks apply (while Django logs queries, the
-statements go through its own cursor, unprepared).
+The statements run on one such cursor kept with the session (:func:`fetch`), after the
+checks Django's cursor makes and under its error translation; while anything watches
+Django's cursors (query logging, execute wrappers, a replaced ``CursorWrapper.execute``)
+they go through a cursor wrapped as Django wraps its own (:func:`cursor`) instead, and
+while Django logs queries through its own cursor, unprepared.
 Only the store's statements go through it: the application's own queries keep the
 connection's default cursor. Each statement is named once per session (psycopg's
 prepared statements, up to its ``prepared_max`` of 100, forgotten at a rollback or a
