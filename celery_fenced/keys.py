@@ -252,8 +252,16 @@ def unchanged_by_json(value: Any) -> bool:
     if kind is list:
         return all(map(unchanged_by_json, value))
     if kind is dict:
+        if value.keys() == _KOMBU_MARKER:  # kombu reads it back as a datetime, Decimal...
+            return False
         return all(type(k) is str and unchanged_by_json(v) for k, v in value.items())
     return False
+
+
+#: the keys of a dict kombu's JSON decoder turns into another value (its ``object_hook``:
+#: ``{"__type__": "datetime", "__value__": ...}`` reads back a datetime, an unknown
+#: ``__type__`` fails), whatever the values
+_KOMBU_MARKER = frozenset({"__type__", "__value__"})
 
 
 def publish_key(

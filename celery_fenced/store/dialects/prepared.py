@@ -22,6 +22,7 @@ reconnection and made again). ``OPTIONS`` that refuse prepared statements
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import FunctionType
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -86,10 +87,10 @@ def _djangos_cursors(connection: BaseDatabaseWrapper) -> bool:
 def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
     """A cursor of ``connection`` that prepares each statement on its first run,
     wrapped as :meth:`BaseDatabaseWrapper.cursor` wraps Django's own; Django's own
-    cursor while queries are logged (``DEBUG``, ``CaptureQueriesContext``): Django reads
+    cursor while queries are logged (``DEBUG``, ``CaptureQueriesContext``: Django reads
     a statement's text back from the cursor, which psycopg does not keep for a prepared
-    one."""
-    if connection.queries_logged:
+    one) or while a tool has replaced ``cursor`` on the connection (it sees them)."""
+    if connection.queries_logged or _cursor_replaced(connection):
         return connection.cursor()
     connection.close_if_health_check_failed()
     connection.ensure_connection()
@@ -127,9 +128,10 @@ def fetch(
     statement — the health check, the connection, the thread check, the broken-
     transaction check, the translation of errors — on one cursor per session, and is
     used only while nothing else looks at the connection's cursors: no query logging, no
-    execute wrapper, no thread sharing, Django's own ``CursorWrapper.execute`` (an APM
-    that replaces it sees the statements through it) and a backend that makes its
-    cursors as Django's does.
+    execute wrapper, no thread sharing, no ``cursor`` replaced on the connection
+    (django-debug-toolbar, ddtrace, ``SimpleTestCase``'s guard), Django's own
+    ``CursorWrapper.execute`` (an APM that replaces it sees the statements through it)
+    and a backend that makes its cursors as Django's does.
 
     ``prepare``: a cursor that prepares each statement on its first run (see
     :func:`cursor`); otherwise the connection's own cursor class (a kept connection
@@ -140,6 +142,7 @@ def fetch(
         or connection.queries_logged
         or connection.execute_wrappers
         or connection.allow_thread_sharing
+        or _cursor_replaced(connection)
         or not _djangos_wrapper()
         or not _djangos_cursors(connection)
     ):
@@ -163,6 +166,14 @@ def fetch(
         return found.fetchall()
 
 
+def _cursor_replaced(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a tool has replaced ``cursor`` on ``connection`` itself (django-debug-
+    toolbar, ddtrace, ``SimpleTestCase``'s guard); not when what it put back is the
+    connection's own method (as ``SimpleTestCase`` does after its tests)."""
+    found = connection.__dict__.get("cursor")
+    return found is not None and getattr(found, "__func__", None) is not type(connection).cursor
+
+
 def _djangos_wrapper() -> bool:
     """Whether ``CursorWrapper.execute`` is Django's own (no APM replaced it)."""
     execute = CursorWrapper.execute
@@ -170,7 +181,10 @@ def _djangos_wrapper() -> bool:
         code = getattr(execute, "__code__", None)
         _WRAPPER_SEEN[:] = [
             execute,
-            code is not None
+            # a plain function: a proxy (wrapt's FunctionWrapper, as APMs patch) hands
+            # on the ``__code__`` of the function it wraps
+            type(execute) is FunctionType
+            and code is not None
             and code.co_name == "execute"
             and code.co_filename.replace("\\", "/").endswith("django/db/backends/utils.py"),
         ]
