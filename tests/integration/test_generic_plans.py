@@ -12,14 +12,18 @@ nor read the whole table (a permit grant's check for a completed job did, on any
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.db import connections, transaction
 
-from celery_fenced import acquire, force_release
+from celery_fenced import LeaseBusy, acquire, force_release, store
 from celery_fenced.models import Lease
 from celery_fenced.store import Delivery, grant
 from celery_fenced.store.dialects.statements.common import LEASE_COLUMNS
-from tests.conftest import DATABASE_ALIASES
+from tests.conftest import DATABASE_ALIASES, DELIVERED
+from tests.integration.test_kept_connection import run_one
+from tests.integration.test_seams import Broker
 
 pytestmark = [
     pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES),
@@ -36,15 +40,21 @@ RELEASED_ROWS = 20_000
 def planned(request: pytest.FixtureRequest, prepared_pg: str) -> str:
     """PostgreSQL with many released leases, analyzed (the partial indexes look empty),
     the store's statements prepared, on a session planning them one way only."""
+    fill(prepared_pg)
     with connections[prepared_pg].cursor() as cursor:
+        cursor.execute(f"SET plan_cache_mode = {request.param}")
+    return prepared_pg
+
+
+def fill(alias: str) -> None:
+    """:data:`RELEASED_ROWS` released leases of other keys, the table analyzed."""
+    with connections[alias].cursor() as cursor:
         cursor.execute(
             f"INSERT INTO celery_fenced_lease {LEASE_COLUMNS}"
             " SELECT 'released:' || g, 1, 'o', 't' || g, 'n', now(), now(), now(), now(),"
             f" '', NULL, 0, '', NULL, '', 'SUCCESS', 0 FROM generate_series(1, {RELEASED_ROWS}) g"
         )
         cursor.execute("ANALYZE celery_fenced_lease")
-        cursor.execute(f"SET plan_cache_mode = {request.param}")
-    return prepared_pg
 
 
 def scans(alias: str) -> dict[str, int]:
@@ -84,3 +94,60 @@ def test_key_addressed_statements_read_the_keys_index_only(planned: str) -> None
     # the permit job's index is still read (its predicate spelled as the statements do)
     assert counted["celery_fenced_lease_one_permit_per_job"] > 0
     assert Lease._default_manager.using(alias).filter(released_at__isnull=True).count() == 0
+
+
+def custom_only(connection: Any) -> list[tuple[str, int]]:
+    """The statements prepared on ``connection``'s session that ran ten times or more,
+    each time planned anew (never on their generic plan), and how often."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT statement, custom_plans FROM pg_prepared_statements"
+            " WHERE generic_plans = 0 AND custom_plans >= 10"
+        )
+        return [(str(sql)[:200], int(count)) for sql, count in cursor.fetchall()]
+
+
+def test_statements_run_often__planned_once_each_not_at_every_run(
+    broker: Broker, prepared_pg: str
+) -> None:
+    """PostgreSQL plans a prepared statement for its values until it finds the generic
+    plan no dearer than those plans; one whose generic plan always looks dearer is
+    planned again at every run (a permit's grant of limit 1 or 2 was: its planning took
+    longer than the grant). Every statement the store runs often — a lease's grant,
+    renewal, refusal and release, a permit's of limits 1, 2 and 4 (each on a session of
+    its own: the plans of other limits would mask them), a task's publish, and its grant
+    and success through Celery's tracer on the worker's kept connection, a unique job's
+    publish and a refused copy's — runs on its
+    generic plan after its first runs, on a table of many leases, analyzed."""
+    fill(prepared_pg)
+    connection = connections[prepared_pg]
+    for _ in range(12):
+        lease = acquire("plans", ttl=30, using=prepared_pg)
+        lease.renew()
+        with pytest.raises(LeaseBusy):
+            acquire("plans", ttl=30, using=prepared_pg)
+        assert lease.release()
+    assert custom_only(connection) == []
+    for limit in (1, 2, 4):
+        connection.close()  # a new session: its statements prepared afresh
+        for _ in range(12):
+            permit = acquire(f"plans-{limit}", ttl=30, using=prepared_pg, limit=limit)
+            permit.renew()
+            assert permit.release()
+        assert custom_only(connection) == [], f"limit={limit}"
+    connection.close()
+    for n in range(12):
+        run_one(broker, f"plans-{n}")
+    assert custom_only(connection) == []
+    keyed = broker.app.tasks["seams.keyed"]
+    keyed.lease_unique = "until_started"
+    try:
+        for n in range(12):
+            keyed.apply_async((n,))  # a new key: recorded
+            keyed.apply_async((0,))  # a copy of job 0, queued: refused
+    finally:
+        keyed.lease_unique = None
+    assert custom_only(connection) == []
+    kept = store.kept_connection(prepared_pg, DELIVERED)
+    assert kept is not None
+    assert custom_only(kept) == []
