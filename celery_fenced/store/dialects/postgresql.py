@@ -10,7 +10,7 @@ from django.db import IntegrityError, NotSupportedError
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 
-from celery_fenced import conf, permits
+from celery_fenced import conf
 from celery_fenced.models import Lease
 from celery_fenced.store.dialects import prepared
 from celery_fenced.store.dialects.rows import TOO_MANY, aware, holder_of, released_detail
@@ -234,9 +234,6 @@ class PostgreSQL(SQLDialect):
         """
         assert request.limit is not None
         unless_completed, fields = self._grant_fields(request)
-        fields["names"] = _planned_names(
-            [permits.permit_key(request.key, i) for i in range(request.limit)]
-        )
         end = _pending_end(request)
         routine = request.routine_events, end, unless_completed
         for _attempt in range(PERMIT_RACES):
@@ -359,23 +356,6 @@ class PostgreSQL(SQLDialect):
         if self._release(ending, holder_only=False, lock_result=True):
             return True, ending.token
         return False, self._current_token(ending.key)
-
-
-#: the fewest names a permit statement is sent (see :func:`_planned_names`)
-PLANNED_NAMES = 10
-
-
-def _planned_names(names: list[str]) -> list[str]:
-    """``names``, the first repeated up to :data:`PLANNED_NAMES` (the same permits: the
-    index scan reads a name given twice once).
-
-    A prepared statement is planned for its values (a custom plan) until PostgreSQL
-    finds its generic plan no dearer than those. The generic plan counts ten names in
-    ``key = ANY(names)``; a plan for fewer costs less, by enough that the permit grant
-    of a small limit was planned again at every run, which took longer than the grant.
-    Given ten, the plans for the values cost what the generic plan does, and it is kept.
-    """
-    return names + names[:1] * (PLANNED_NAMES - len(names))
 
 
 def _pending_end(request: GrantRequest) -> str:

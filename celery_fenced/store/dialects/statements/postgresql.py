@@ -302,6 +302,13 @@ BUSY: Mapping[bool, LiteralString] = {
     SELECT token, owner, expires_at, remaining FROM holder""",
 }
 
+#: the names of the key's first ``%(limit)s`` permits, made by the statement: the plans
+#: made for a statement's values count as many names as its generic plan does, so
+#: PostgreSQL keeps the generic plan (given as a parameter, one or two names made those
+#: plans look so much cheaper that the grant was planned again at every run)
+_NAMES: LiteralString = (
+    "ARRAY(SELECT %(key)s::text || chr(31) || g::text FROM generate_series(0, %(limit)s - 1) g)"
+)
 #: the names of the permits above a lowered limit (``%(limit)s`` and up: the head keeps
 #: the highest limit ever asked), read from the head only when it has any
 _ABOVE: LiteralString = (
@@ -314,7 +321,9 @@ _PERMIT_COMPLETED: LiteralString = (
     + _COMPLETED
     + """)
           AND NOT EXISTS (SELECT 1 FROM celery_fenced_lease l
-                          WHERE l.key = ANY(ARRAY[%(key)s::text] || %(names)s::text[]
+                          WHERE l.key = ANY(ARRAY[%(key)s::text] || """
+    + _NAMES
+    + """
                                             || ARRAY("""
     + _ABOVE
     + """))
@@ -322,18 +331,22 @@ _PERMIT_COMPLETED: LiteralString = (
     + _MARKED
     + ")"
 )
-# the first ``%(limit)s`` permits' names (``%(names)s``) come from the caller: the statement
-# plans as a few index lookups. ``free``: the permits this job may take, as the snapshot
+# the first ``%(limit)s`` permits' names (``_NAMES``): the statement plans as a few index
+# lookups. ``free``: the permits this job may take, as the snapshot
 # shows them (read once: the statement's answer when it grants none, ``_PERMIT_OR_LOST``)
-_PERMIT_START: LiteralString = """WITH clock AS MATERIALIZED (  -- read after the snapshot
+_PERMIT_START: LiteralString = (
+    """WITH clock AS MATERIALIZED (  -- read after the snapshot
         SELECT clock_timestamp() AS now),
     head AS (
         SELECT token, permits FROM celery_fenced_lease
         WHERE key = %(key)s AND permits >= %(limit)s AND released_at IS NOT NULL),
     free AS MATERIALIZED (
         SELECT p.id FROM celery_fenced_lease p
-        WHERE p.key = ANY(%(names)s::text[]) AND EXISTS (SELECT 1 FROM head)
+        WHERE p.key = ANY("""
+    + _NAMES
+    + """) AND EXISTS (SELECT 1 FROM head)
           AND """
+)
 _PERMIT_ABOVE: LiteralString = (
     """
           AND NOT EXISTS (  -- a holder of a permit above a lowered limit
