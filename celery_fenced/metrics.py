@@ -312,7 +312,7 @@ def connect() -> None:
         signals.grant_ended: _on_grant_ended,
     }
     for signal, receiver in receivers.items():
-        signals.listen(signal, receiver)
+        signals.listen(signal, receiver, uid=f"celery_fenced.metrics.{receiver.__name__}")
     _connected = True
 
 

@@ -106,17 +106,23 @@ def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
             _ignored(receiver, signal, response, kwargs)
 
 
-def listen(signal: Signal, listener: Callable[..., object]) -> None:
+def listen(signal: Signal, listener: Callable[..., object], uid: str | None = None) -> None:
     """Call ``listener`` at every :func:`send` of ``signal``, as a receiver is called,
     without Django's dispatch (which costs more per send than the package's own
-    listeners, the metrics, do); once however often it is added."""
+    listeners, the metrics, do); once however often it is added. ``uid``: as Django's
+    ``dispatch_uid``, one listener by that name (a module reloaded makes new functions)."""
     found = _listeners.get(id(signal), ())
-    if listener not in found:
-        _listeners[id(signal)] = (*found, listener)
+    if listener in found or (uid is not None and uid in _uids.get(id(signal), ())):
+        return
+    _listeners[id(signal)] = (*found, listener)
+    if uid is not None:
+        _uids[id(signal)] = (*_uids.get(id(signal), ()), uid)
 
 
 #: the package's own listeners per signal (:func:`listen`)
 _listeners: dict[int, tuple[Callable[..., object], ...]] = {}
+#: the ``uid`` given for them (:func:`listen`)
+_uids: dict[int, tuple[str, ...]] = {}
 
 
 def _ignored(receiver: Any, signal: Signal, error: Exception, kwargs: dict[str, Any]) -> None:
