@@ -244,3 +244,19 @@ def test_every_signal_is_a_structured_log_record(
         ("busy", "logged", held.token, "t-2", "app.t", "INFO"),
         ("released", "logged", held.token, "t-1", "app.t", "DEBUG"),
     ]
+
+
+def test_listen__one_listener_by_uid_as_djangos_dispatch_uid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener added again under its ``uid`` (a module reloaded makes new functions)
+    is called once, as Django's ``dispatch_uid`` keeps one receiver."""
+    calls: list[str] = []
+    monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
+    monkeypatch.setattr(signals, "_uids", dict(signals._uids))
+    for made in ("first", "reloaded"):
+        signals.listen(
+            signals.lease_resent, lambda made=made, **kwargs: calls.append(made), uid="metrics"
+        )
+    signals.send(signals.lease_resent, Lease, key="k", token=None, owner="o")
+    assert calls == ["first"]
