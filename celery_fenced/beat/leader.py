@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
 from celery_fenced import renewal, store
 from celery_fenced.exceptions import LeaseBusy
@@ -65,6 +65,9 @@ class Leadership:
             return min(max(busy.remaining, MIN_WAIT), self.poll_interval)
         except DatabaseError:
             logger.warning("beat could not reach the lease database; will retry", exc_info=True)
+            # a session the server ended (a restart, a failover) is not used again: the
+            # next attempt opens a new one
+            connections[self.alias].close_if_unusable_or_obsolete()
             return self.poll_interval
         self.lease = lease
         self.term += 1

@@ -230,3 +230,31 @@ def test_beat__entry_names_compare_byte_for_byte(
     assert set(rows) == {one, other}
     assert min(rows.values()) >= 2
     assert sum(rows.values()) == len(sent_ticks(broker))
+
+
+def test_standby_whose_session_the_server_ended__leads_once_the_key_is_free(
+    broker: Broker, beats: list[Any], lease_db: str
+) -> None:
+    """A restart or a failover ends every session: a standby's look at the leader then
+    fails once, and the standby opens a new session for the next one, so it still takes
+    over when the leader is gone (it kept failing on the dead session before)."""
+    from django.db import connections
+
+    from tests.conftest import side_connection
+    from tests.integration.test_kept_connection import backend_pid, eventually, session_ended
+
+    if lease_db != "postgres":
+        pytest.skip("ends a PostgreSQL session")
+    leader = make(broker, beats, dt.timedelta(seconds=60))
+    standby = make(broker, beats, dt.timedelta(seconds=60))
+    leader.tick()
+    assert standby.tick() > 0
+    leader.leadership.release()  # the leader gone: its key free
+    pid = backend_pid(connections[lease_db])
+    with side_connection(lease_db) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    assert eventually(lambda: session_ended(lease_db, pid))
+    standby.tick()  # fails on the ended session
+    assert not standby.leadership.leading()
+    standby.tick()
+    assert standby.leadership.leading()
