@@ -230,8 +230,10 @@ KEY_HEADER = "fenced_lease_key"
 def as_carried(args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str) -> tuple[Any, Any]:
     """``args`` and ``kwargs`` as a worker decodes them from a message written with
     ``serializer``: the arguments a key is worked out from, at publish as at run time."""
-    if serializer == "json" and unchanged_by_json(list(args)) and unchanged_by_json(dict(kwargs)):
-        return list(args), dict(kwargs)  # what the round trip would give back, not a copy
+    if serializer == "json":
+        carried = _as_json_reads([list(args), dict(kwargs)])
+        if carried is not _CHANGED:  # what the round trip gives back, without its cost
+            return carried[0], carried[1]
     content_type, encoding, data = serialization.dumps([list(args), dict(kwargs)], serializer)
     carried = serialization.loads(data, content_type, encoding, accept={content_type})
     return carried[0], carried[1]
@@ -239,23 +241,45 @@ def as_carried(args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str) 
 
 #: the types JSON writes and reads back as the very same type and value (exactly these:
 #: a subclass, an ``IntEnum``, is written as its base's value and read back as that)
-_JSON_PLAIN = frozenset({str, int, float, bool, type(None)})
+_JSON_PLAIN = frozenset({str, float, bool, type(None)})
+#: the ints read back as written by every JSON reader (a longer one may be refused)
+_JSON_INTS = range(-(2**63), 2**64)
+#: what :func:`_as_json_reads` answers for a value JSON would change or refuse
+_CHANGED: Any = object()
 
 
 def unchanged_by_json(value: Any) -> bool:
     """Whether ``value`` reads back from JSON equal and of the same types: strings,
     numbers, booleans and None, in lists and in dicts with string keys. (A tuple comes
     back a list, a dict's int key a string, a date a string.)"""
+    return _as_json_reads(value) is not _CHANGED
+
+
+def _as_json_reads(value: Any) -> Any:
+    """A copy of ``value`` as JSON reads it back (new lists and dicts, as a round trip
+    makes them), or :data:`_CHANGED` when JSON would change it, refuse it, or it nests
+    too deep to look at."""
+    try:
+        return _json_copy(value)
+    except RecursionError:
+        return _CHANGED
+
+
+def _json_copy(value: Any) -> Any:
     kind = type(value)
-    if kind in _JSON_PLAIN:
-        return True
+    if kind in _JSON_PLAIN or (kind is int and value in _JSON_INTS):
+        return value
     if kind is list:
-        return all(map(unchanged_by_json, value))
+        items = [_json_copy(item) for item in value]
+        return _CHANGED if any(item is _CHANGED for item in items) else items
     if kind is dict:
         if value.keys() == _KOMBU_MARKER:  # kombu reads it back as a datetime, Decimal...
-            return False
-        return all(type(k) is str and unchanged_by_json(v) for k, v in value.items())
-    return False
+            return _CHANGED
+        if not all(type(k) is str for k in value):
+            return _CHANGED
+        copied = {k: _json_copy(v) for k, v in value.items()}
+        return _CHANGED if any(v is _CHANGED for v in copied.values()) else copied
+    return _CHANGED
 
 
 #: the keys of a dict kombu's JSON decoder turns into another value (its ``object_hook``:

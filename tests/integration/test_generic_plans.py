@@ -107,6 +107,21 @@ def custom_only(connection: Any) -> list[tuple[str, int]]:
         return [(str(sql)[:200], int(count)) for sql, count in cursor.fetchall()]
 
 
+def on_generic_plans(connection: Any, *fragments: str) -> list[str]:
+    """Which of ``fragments`` name a statement prepared on ``connection``'s session that
+    ran on its generic plan (each must: the statements were prepared and kept)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements WHERE generic_plans > 0")
+        kept = [str(sql) for (sql,) in cursor.fetchall()]
+    return [f for f in fragments if any(f in sql for sql in kept)]
+
+
+GRANT = "INSERT INTO celery_fenced_lease AS l"
+RELEASE = "UPDATE celery_fenced_lease SET released_at"
+PERMIT = "WITH clock AS MATERIALIZED"
+OUTBOX = "INSERT INTO celery_fenced_pendingjob"
+
+
 def test_statements_run_often__planned_once_each_not_at_every_run(
     broker: Broker, prepared_pg: str
 ) -> None:
@@ -117,8 +132,8 @@ def test_statements_run_often__planned_once_each_not_at_every_run(
     renewal, refusal and release, a permit's of limits 1, 2 and 4 (each on a session of
     its own: the plans of other limits would mask them), a task's publish, and its grant
     and success through Celery's tracer on the worker's kept connection, a unique job's
-    publish and a refused copy's — runs on its
-    generic plan after its first runs, on a table of many leases, analyzed."""
+    publish and a refused copy's — runs on its generic plan after its first runs, on a
+    table of many leases, analyzed."""
     fill(prepared_pg)
     connection = connections[prepared_pg]
     for _ in range(12):
@@ -128,6 +143,7 @@ def test_statements_run_often__planned_once_each_not_at_every_run(
             acquire("plans", ttl=30, using=prepared_pg)
         assert lease.release()
     assert custom_only(connection) == []
+    assert on_generic_plans(connection, GRANT, RELEASE) == [GRANT, RELEASE]
     for limit in (1, 2, 4):
         connection.close()  # a new session: its statements prepared afresh
         for _ in range(12):
@@ -135,6 +151,7 @@ def test_statements_run_often__planned_once_each_not_at_every_run(
             permit.renew()
             assert permit.release()
         assert custom_only(connection) == [], f"limit={limit}"
+        assert on_generic_plans(connection, PERMIT) == [PERMIT], f"limit={limit}"
     connection.close()
     for n in range(12):
         run_one(broker, f"plans-{n}")
@@ -148,6 +165,8 @@ def test_statements_run_often__planned_once_each_not_at_every_run(
     finally:
         keyed.lease_unique = None
     assert custom_only(connection) == []
+    assert on_generic_plans(connection, OUTBOX) == [OUTBOX]
     kept = store.kept_connection(prepared_pg, DELIVERED)
     assert kept is not None
     assert custom_only(kept) == []
+    assert on_generic_plans(kept, RELEASE[:25]) == [RELEASE[:25]]  # the success's release

@@ -76,14 +76,6 @@ def _seen_by_patched_execute(alias: str, patch: Any) -> int:
     return len(seen)
 
 
-def _plain_patch(original: Any, seen: list[str]) -> Any:
-    def execute(self: Any, sql: str, params: Any = None) -> Any:
-        seen.append(sql)
-        return original(self, sql, params)
-
-    return execute
-
-
 class _Proxy:
     """A function wrapper as wrapt makes them (Scout, Elastic and other APMs patch with
     it): not a function, and it hands on the wrapped function's attributes, its
@@ -107,14 +99,12 @@ def _wrapt_patch(original: Any, seen: list[str]) -> Any:
     return _Proxy(original, seen)
 
 
-@pytest.mark.parametrize("patch", [_plain_patch, _wrapt_patch], ids=["plain", "wrapt"])
-def test_apm_patching_cursorwrapper_execute__sees_the_stores_statements(
-    pg: str, patch: Any
-) -> None:
-    """An APM's ``CursorWrapper.execute``, a function or a wrapt-like proxy, sees the
-    store's statements even after the kept cursor was made."""
+def test_apm_patching_cursorwrapper_execute__sees_the_stores_statements(pg: str) -> None:
+    """An APM's ``CursorWrapper.execute`` as a wrapt-like proxy (not a function, its
+    ``__code__`` Django's) sees the store's statements even after the kept cursor was
+    made (a function in its place: ``test_prepared_attack``)."""
     acquire("apm", ttl=30, using=pg).release()  # the kept cursor made
-    assert _seen_by_patched_execute(pg, patch) >= 2
+    assert _seen_by_patched_execute(pg, _wrapt_patch) >= 2
 
 
 def test_observers_on_djangos_connection__see_the_stores_statements(
@@ -172,3 +162,34 @@ def test_kept_worker_connection__a_wrapt_apm_sees_its_statements(broker: Broker,
     finally:
         CursorWrapper.execute = original
     assert len(seen) >= 2, seen
+
+
+class _CursorProxy:
+    """``connection.cursor`` wrapped as ddtrace wraps it (wrapt): a proxy that hands on
+    the bound method's attributes, ``__func__`` and ``__self__`` included."""
+
+    def __init__(self, wrapped: Any, seen: list[str]) -> None:
+        self.__wrapped__, self._seen = wrapped, seen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._seen.append("cursor")
+        return self.__wrapped__(*args, **kwargs)
+
+
+def test_connection_cursor_wrapped_by_a_tracer__the_stores_statements_go_through_it(
+    pg: str,
+) -> None:
+    """A tracer that wraps ``cursor`` on the connection with a proxy (ddtrace) sees the
+    store's statements, as django-debug-toolbar's plain replacement does."""
+    connection = connections[pg]
+    acquire("proxied", ttl=30, using=pg).release()  # the kept cursor made
+    seen: list[str] = []
+    connection.cursor = _CursorProxy(connection.cursor, seen)
+    try:
+        acquire("proxied", ttl=30, using=pg).release()
+    finally:
+        del connection.cursor
+    assert len(seen) >= 2

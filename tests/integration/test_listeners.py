@@ -51,8 +51,10 @@ def scenario() -> None:
 def test_user_receiver__each_event_once__metrics_once(
     readies: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The app made ready ``readies`` times: a user's receiver gets each event once, and
+    the metrics count it once."""
     monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
-    monkeypatch.setattr(signals, "_uids", dict(getattr(signals, "_uids", {})), raising=False)
+    monkeypatch.setattr(signals, "_uids", dict(signals._uids))
     config = apps.get_app_config("celery_fenced")
     for _ in range(readies):
         config.ready()  # apps.ready twice (tests), metrics.connect() again

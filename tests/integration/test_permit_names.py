@@ -45,18 +45,21 @@ NAMES = postgresql_statements._NAMES
 
 @pytest.mark.parametrize("limit", [1, 2, 10, 32767, 10_000])
 def test_sql_names__equal_pythons__client_and_server_binding(limit: int) -> None:
+    """The names the statements make are :func:`permits.permit_key`'s, for every key,
+    bound on the client (Django's cursor) and on the server (the store's, prepared)."""
     connection = connections["postgres"]
     for key in KEYS:
         want = [permits.permit_key(key, i) for i in range(limit)]
         with connection.cursor() as cursor:  # Django's (client-side binding)
             cursor.execute("SELECT " + NAMES, {"key": key, "limit": limit})
             assert cursor.fetchone()[0] == want, key
-        if prepared.preparing(connection):  # the store's own: server binding, prepared
-            rows = prepared.fetch(
-                connection, "SELECT " + NAMES, {"key": key, "limit": limit}, prepare=True
-            )
-            assert rows is not None
-            assert rows[0][0] == want, key
+        # the store's own: bound on the server, prepared
+        assert prepared.preparing(connection)
+        rows = prepared.fetch(
+            connection, "SELECT " + NAMES, {"key": key, "limit": limit}, prepare=True
+        )
+        assert rows is not None
+        assert rows[0][0] == want, key
 
 
 @pytest.fixture

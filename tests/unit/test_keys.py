@@ -398,3 +398,24 @@ def test_as_carried__a_kombu_marker_dict_goes_through_the_round_trip(value: obje
             as_carried([], {"x": value}, "json")
     else:
         assert as_carried([], {"x": value}, "json") == (expected[0], expected[1])
+
+
+def test_as_carried__a_copy_as_the_round_trip_makes_one() -> None:
+    """Arguments that skip the round trip come back as new lists and dicts, as a round
+    trip makes them: a key callable that changes them leaves the message's own alone."""
+    nested = {"ids": [1, 2]}
+    args, kwargs = as_carried(([nested],), {"x": nested}, "json")
+    args[0][0]["ids"].append(3)
+    kwargs["x"]["ids"].append(4)
+    assert nested == {"ids": [1, 2]}
+
+
+def test_unchanged_by_json__ints_every_reader_takes_and_nesting_it_can_look_at() -> None:
+    """An int beyond 64 bits (kombu's writer refuses the longest) and a list that holds
+    itself take the round trip, which decides for them as before."""
+    loop: list[Any] = []
+    loop.append(loop)
+    assert unchanged_by_json(2**63 - 1)
+    assert not unchanged_by_json(2**64)
+    assert not unchanged_by_json(10**5000)
+    assert not unchanged_by_json(loop)

@@ -22,7 +22,7 @@ reconnection and made again). ``OPTIONS`` that refuse prepared statements
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from types import FunctionType
+from types import FunctionType, MethodType
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -92,17 +92,27 @@ def cursor(connection: BaseDatabaseWrapper) -> CursorWrapper:
     one) or while a tool has replaced ``cursor`` on the connection (it sees them)."""
     if connection.queries_logged or _cursor_replaced(connection):
         return connection.cursor()
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
     with connection.wrap_database_errors:
-        raw = connection.connection
-        if raw.cursor_factory not in _DJANGOS_CURSORS:  # instrumented (a tracer's own)
+        raw = _session(connection, prepare=True)
+        if raw is None:
             return connection.cursor()
-        if raw.prepare_threshold is None:
-            raw.prepare_threshold = _ON_REQUEST_ONLY
         connection.validate_thread_sharing()
         made: Any = _PreparingCursor(raw)
         return connection.make_cursor(made)
+
+
+def _session(connection: BaseDatabaseWrapper, *, prepare: bool) -> Any:
+    """``connection``'s psycopg connection, checked and opened as Django's cursor does
+    it; ready to prepare the statements asked to (``prepare``); None when its cursors are
+    a tracer's own (its ``cursor_factory``): they must see the statements."""
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    if raw.cursor_factory not in _DJANGOS_CURSORS:
+        return None
+    if prepare and raw.prepare_threshold is None:
+        raw.prepare_threshold = _ON_REQUEST_ONLY
+    return raw
 
 
 #: where :func:`fetch` keeps its cursor on a connection: (the session, prepare?, cursor)
@@ -147,15 +157,11 @@ def fetch(
         or not _djangos_cursors(connection)
     ):
         return None
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    raw = connection.connection
+    raw = _session(connection, prepare=prepare)
+    if raw is None:
+        return None
     kept = connection.__dict__.get(_KEPT)
     if kept is None or kept[0] is not raw or kept[1] is not prepare:
-        if raw.cursor_factory not in _DJANGOS_CURSORS:  # instrumented (a tracer's own)
-            return None
-        if prepare and raw.prepare_threshold is None:
-            raw.prepare_threshold = _ON_REQUEST_ONLY
         kept = (raw, prepare, _PreparingCursor(raw) if prepare else raw.cursor())
         connection.__dict__[_KEPT] = kept
     connection.validate_thread_sharing()
@@ -171,7 +177,15 @@ def _cursor_replaced(connection: BaseDatabaseWrapper) -> bool:
     toolbar, ddtrace, ``SimpleTestCase``'s guard); not when what it put back is the
     connection's own method (as ``SimpleTestCase`` does after its tests)."""
     found = connection.__dict__.get("cursor")
-    return found is not None and getattr(found, "__func__", None) is not type(connection).cursor
+    if found is None:
+        return False
+    # a bound method of the connection's own class, not a proxy that hands its
+    # attributes on (wrapt's, as ddtrace wraps it)
+    return not (
+        type(found) is MethodType
+        and found.__self__ is connection
+        and found.__func__ is type(connection).cursor
+    )
 
 
 def _djangos_wrapper() -> bool:

@@ -302,18 +302,21 @@ BUSY: Mapping[bool, LiteralString] = {
     SELECT token, owner, expires_at, remaining FROM holder""",
 }
 
+#: the name of permit ``g`` of the key (:func:`celery_fenced.permits.permit_key`)
+_PERMIT_NAME: LiteralString = "%(key)s::text || chr(31) || g::text"
 #: the names of the key's first ``%(limit)s`` permits, made by the statement: the plans
 #: made for a statement's values count as many names as its generic plan does, so
-#: PostgreSQL keeps the generic plan (given as a parameter, one or two names made those
-#: plans look so much cheaper that the grant was planned again at every run)
+#: PostgreSQL keeps the generic plan (given as a parameter, a small limit's few names
+#: made those plans look so much cheaper that the grant was planned again at every run)
 _NAMES: LiteralString = (
-    "ARRAY(SELECT %(key)s::text || chr(31) || g::text FROM generate_series(0, %(limit)s - 1) g)"
+    "ARRAY(SELECT " + _PERMIT_NAME + " FROM generate_series(0, %(limit)s - 1) g)"
 )
 #: the names of the permits above a lowered limit (``%(limit)s`` and up: the head keeps
 #: the highest limit ever asked), read from the head only when it has any
 _ABOVE: LiteralString = (
-    "SELECT %(key)s::text || chr(31) || g::text FROM head h,"
-    " generate_series(%(limit)s, h.permits - 1) g WHERE h.permits > %(limit)s"
+    "SELECT "
+    + _PERMIT_NAME
+    + " FROM head h, generate_series(%(limit)s, h.permits - 1) g WHERE h.permits > %(limit)s"
 )
 _PERMIT_COMPLETED: LiteralString = (
     """
