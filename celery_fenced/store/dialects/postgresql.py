@@ -52,9 +52,14 @@ class PostgreSQL(SQLDialect):
         statement (:mod:`.prepared`); a kept connection prepares its own (its ``OPTIONS``).
         """
         connection = self.connection
-        if self._connection is None and prepared.preparing(connection) and conf.load().prepare:
+        if self._prepares(connection):
             return prepared.cursor(connection)
         return connection.cursor()
+
+    def _prepares(self, connection: BaseDatabaseWrapper) -> bool:
+        """Whether the store prepares its statements on Django's ``connection`` itself
+        (``fenced_prepare``; a kept connection prepares by its own ``OPTIONS``)."""
+        return self._connection is None and prepared.preparing(connection) and conf.load().prepare
 
     def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """The statement's rows; run once more on a new session when a migration changed
@@ -77,12 +82,12 @@ class PostgreSQL(SQLDialect):
         """On a cursor kept with the session when nothing else looks at the connection's
         cursors (:func:`.prepared.fetch`), else on a cursor of Django's (:meth:`_cursor`)."""
         connection = self.connection
-        if self._connection is not None:
-            rows = prepared.fetch(connection, sql, params, prepare=False)
-        elif prepared.preparing(connection) and conf.load().prepare:
-            rows = prepared.fetch(connection, sql, params, prepare=True)
-        else:
-            rows = None
+        prepare = self._prepares(connection)
+        rows = (
+            prepared.fetch(connection, sql, params, prepare=prepare)
+            if prepare or self._connection is not None
+            else None
+        )
         return rows if rows is not None else super()._fetch(sql, params)
 
     def estimated_rows(self, table: str) -> int | None:
