@@ -60,13 +60,14 @@ def _send_task(
     if not context.is_sending_decided():
         task = _registered(app, name)
         fenced = None if task is not None else conf.load(app).configured_options(name)
-        # the eager setting last: Celery reads it through Django's settings, a lookup that
-        # costs more than the rest of a plain task's path here
         fenced_task = isinstance(task, FencedExecution)
-        eager = (fenced_task or fenced is not None) and app.conf.task_always_eager
-        if fenced_task and not eager:  # as its own apply_async publishes it
+        # the eager setting last, for a fenced name only: Celery reads it through Django's
+        # settings, a lookup that costs more than the rest of a plain task's path here
+        if (fenced_task or fenced is not None) and app.conf.task_always_eager:
+            fenced_task, fenced = False, None  # sent as Celery sends it
+        if fenced_task:  # as its own apply_async publishes it
             return task.apply_async(args, kwargs, **_apply_async_options(options))
-        if fenced is not None and not eager:
+        if fenced is not None:
             # the job's id, chosen now: its key header names it
             options["task_id"] = options.get("task_id") or uuid()
             key = _publish_key(app, name, fenced.key, args, kwargs, options)
