@@ -94,7 +94,7 @@ def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
     ``fencing_token``, ``task_id``, ``task_name`` and ``lease_event`` (the event's kind).
     """
     _log_event(signal, kwargs)
-    for listener in _listeners.get(id(signal), ()):
+    for listener in _listeners.get(id(signal), {}).values():
         try:
             listener(signal=signal, sender=sender, **kwargs)
         except Exception as exc:
@@ -111,18 +111,12 @@ def listen(signal: Signal, listener: Callable[..., object], uid: str | None = No
     without Django's dispatch (which costs more per send than the package's own
     listeners, the metrics, do); once however often it is added. ``uid``: as Django's
     ``dispatch_uid``, one listener by that name (a module reloaded makes new functions)."""
-    found = _listeners.get(id(signal), ())
-    if listener in found or (uid is not None and uid in _uids.get(id(signal), ())):
-        return
-    _listeners[id(signal)] = (*found, listener)
-    if uid is not None:
-        _uids[id(signal)] = (*_uids.get(id(signal), ()), uid)
+    _listeners.setdefault(id(signal), {}).setdefault(uid or listener, listener)
 
 
-#: the package's own listeners per signal (:func:`listen`)
-_listeners: dict[int, tuple[Callable[..., object], ...]] = {}
-#: the ``uid`` given for them (:func:`listen`)
-_uids: dict[int, tuple[str, ...]] = {}
+#: the package's own listeners per signal (:func:`listen`), by their ``uid`` (or by
+#: themselves when they have none)
+_listeners: dict[int, dict[object, Callable[..., object]]] = {}
 
 
 def _ignored(receiver: Any, signal: Signal, error: Exception, kwargs: dict[str, Any]) -> None:

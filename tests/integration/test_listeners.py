@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 
 from celery_fenced import LeaseBusy, LeaseLost, acquire, metrics, signals
 from celery_fenced.models import Lease
+from tests.integration.test_signals import listeners_copy
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "postgres"])
 
@@ -53,13 +54,12 @@ def test_user_receiver__each_event_once__metrics_once(
 ) -> None:
     """The app made ready ``readies`` times: a user's receiver gets each event once, and
     the metrics count it once."""
-    monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
-    monkeypatch.setattr(signals, "_uids", dict(signals._uids))
+    monkeypatch.setattr(signals, "_listeners", listeners_copy())
     config = apps.get_app_config("celery_fenced")
     for _ in range(readies):
         config.ready()  # apps.ready twice (tests), metrics.connect() again
         metrics.connect()
-    assert all(len(v) == len(set(v)) for v in signals._listeners.values())
+    assert all(len(v) == len({id(f) for f in v.values()}) for v in signals._listeners.values())
     got: Counter[str] = Counter()
     receivers = {}
     for name in SIGNALS:

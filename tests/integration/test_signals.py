@@ -28,6 +28,11 @@ def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+def listeners_copy() -> dict[int, dict[object, Any]]:
+    """The package's listeners, copied to be patched in (each signal's own too)."""
+    return {signal: dict(listeners) for signal, listeners in signals._listeners.items()}
+
+
 def broken_receiver(**kwargs: Any) -> None:
     raise RuntimeError("a receiver's bug")
 
@@ -109,7 +114,7 @@ def test_send__a_listener_of_the_package_is_called_as_a_receiver_and_may_raise(
     """The package's own listeners (the metrics) are called without Django's dispatch,
     with what a receiver gets; one that raises is logged and the others still run."""
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
+    monkeypatch.setattr(signals, "_listeners", listeners_copy())
     signals.listen(signals.stale_write_rejected, broken_receiver)
     signals.listen(signals.stale_write_rejected, lambda **kwargs: calls.append(kwargs))
     signals.listen(signals.stale_write_rejected, broken_receiver)  # once however often
@@ -252,8 +257,7 @@ def test_listen__one_listener_by_uid_as_djangos_dispatch_uid(
     """A listener added again under its ``uid`` (a module reloaded makes new functions)
     is called once, as Django's ``dispatch_uid`` keeps one receiver."""
     calls: list[str] = []
-    monkeypatch.setattr(signals, "_listeners", dict(signals._listeners))
-    monkeypatch.setattr(signals, "_uids", dict(signals._uids))
+    monkeypatch.setattr(signals, "_listeners", listeners_copy())
     for made in ("first", "reloaded"):
         signals.listen(
             signals.lease_resent, lambda made=made, **kwargs: calls.append(made), uid="metrics"
