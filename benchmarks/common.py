@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 #: the role the worker processes connect as, so PostgreSQL counts their statements apart
 WORKER_ROLE = "bench_worker"
@@ -237,6 +238,21 @@ def servers_cpu_parts(ctx: Context) -> dict[str, float]:
     postmaster = int((ctx.servers / "pgdata" / "postmaster.pid").read_text().split()[0])
     redis = int((ctx.servers / "redis.pid").read_text().strip())
     return {"PostgreSQL": cpu_seconds(parent=postmaster), "Redis": cpu_seconds(parent=redis)}
+
+
+@contextmanager
+def statements_sent(dialect: type) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """The statements the store sends through ``dialect``'s ``_fetch`` inside the block,
+    each with its parameters, as they are sent."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    fetch = dialect._fetch  # type: ignore[attr-defined]
+
+    def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
+        sent.append((sql, dict(params)))
+        return fetch(self, sql, params)  # type: ignore[no-any-return]
+
+    with mock.patch.object(dialect, "_fetch", recording):
+        yield sent
 
 
 def insert_select(

@@ -41,7 +41,6 @@ import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 from benchmarks.common import (
     Context,
@@ -53,6 +52,7 @@ from benchmarks.common import (
     ratios,
     rotated,
     spread,
+    statements_sent,
 )
 
 PG_VARIANTS = (
@@ -89,21 +89,10 @@ def capture(alias: str) -> Statements:
     from celery_fenced.models import Lease
     from celery_fenced.store import dialects
 
-    log: list[tuple[str, dict[str, Any]]] = []
     dialect = type(dialects.for_alias(alias))  # the class whose _fetch sends each statement
-    fetch = dialect._fetch
-
-    def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
-        # plain values (an event kind is the model's enum): the templates go to spawned
-        # processes, which unpickle them before Django is set up
-        plain = {k: p.value if isinstance(p, enum.Enum) else p for k, p in params.items()}
-        log.append((sql, plain))
-        return fetch(self, sql, params)
-
     for _ in range(5):  # until the probe's token and lease id differ from each other
         recorded: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        with mock.patch.object(dialect, "_fetch", recording):
-            log[:] = []
+        with statements_sent(dialect) as log:
             lease = acquire(PROBE_KEY, ttl=TTL, owner=PROBE_OWNER, using=alias)
             recorded["grant"], log[:] = list(log), []
             try:
@@ -120,9 +109,22 @@ def capture(alias: str) -> Statements:
     else:
         raise RuntimeError("could not give the probe a token distinct from its lease id")
     requester = {"grant": PROBE_OWNER, "busy": PROBE_OTHER, "release": PROBE_OWNER}
+    # plain values (an event kind is the model's enum): the templates go to spawned
+    # processes, which unpickle them before Django is set up
     captured: Statements = {
         op: [
-            (sql, {k: _slot(x, requester[op], lease.token, lease_id) for k, x in params.items()})
+            (
+                sql,
+                {
+                    k: _slot(
+                        x.value if isinstance(x, enum.Enum) else x,
+                        requester[op],
+                        lease.token,
+                        lease_id,
+                    )
+                    for k, x in params.items()
+                },
+            )
             for sql, params in statements
         ]
         for op, statements in recorded.items()

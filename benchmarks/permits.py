@@ -21,7 +21,7 @@ from collections.abc import Callable
 from statistics import median
 from typing import Any
 
-from benchmarks.common import Context, Line
+from benchmarks.common import Context, Line, statements_sent
 
 #: the databases compared, by alias, as the cases name them
 DATABASES = {"default": "", "mariadb": "MariaDB: "}
@@ -235,20 +235,11 @@ class _Released:
 def _captured(alias: str, key: str, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
     """The two statements the store sends to grant ``key`` (a permit of it, with
     ``limit``) and release it, on its second grant (the first makes a permit's rows)."""
-    from unittest import mock
-
     from celery_fenced import acquire
     from celery_fenced.store import dialects
 
     acquire(key, ttl=30, limit=limit, using=alias).release()
-    log: list[tuple[str, dict[str, Any]]] = []
-    fetch = dialects.PostgreSQL._fetch
-
-    def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
-        log.append((sql, dict(params)))
-        return fetch(self, sql, params)
-
-    with mock.patch.object(dialects.PostgreSQL, "_fetch", recording):
+    with statements_sent(dialects.PostgreSQL) as log:
         acquire(key, ttl=30, limit=limit, using=alias).release()
     if len(log) != 2:
         raise RuntimeError(f"a grant and a release sent {len(log)} statements, not 2")

@@ -25,9 +25,8 @@ import uuid
 from collections.abc import Callable
 from statistics import median
 from typing import Any
-from unittest import mock
 
-from benchmarks.common import Context, Line
+from benchmarks.common import Context, Line, statements_sent
 from devtools.workers import configure
 
 
@@ -241,14 +240,7 @@ def _floor(
     from celery_fenced.store import dialects
 
     task = uuid.uuid4().hex
-    log: list[tuple[str, dict[str, Any]]] = []
-    fetch = dialects.PostgreSQL._fetch  # each of its statements is sent through it
-
-    def recording(self: Any, sql: str, params: Any) -> list[tuple[Any, ...]]:
-        log.append((sql, dict(params)))
-        return fetch(self, sql, params)
-
-    with mock.patch.object(dialects.PostgreSQL, "_fetch", recording):
+    with statements_sent(dialects.PostgreSQL) as log:
         probe(task)
     if not log or not any(task in str(v) for _, params in log for v in params.values()):
         raise RuntimeError("the probe's publish sent no statement naming its task id")
