@@ -22,11 +22,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def pg(prepared_pg: str) -> str:
-    return prepared_pg
-
-
 def _passthrough(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
     return execute(sql, params, many, context)
 
@@ -55,13 +50,13 @@ def _grant_in_atomic(alias: str, key: str) -> None:
         acquire(key, ttl=30, using=alias)
 
 
-def test_error_inside_atomic__same_as_through_djangos_cursor(pg: str) -> None:
+def test_error_inside_atomic__same_as_through_djangos_cursor(prepared_pg: str) -> None:
     """A statement that fails in the caller's ``atomic()`` on the kept cursor raises what
     Django's cursor raises and leaves the same flags; the next grant runs after it."""
-    kept = _lock_timeout_outcome(pg, "atomic-kept")
-    assert "_celery_fenced_cursor" in connections[pg].__dict__
-    with connections[pg].execute_wrapper(_passthrough):  # forces Django's cursor
-        django = _lock_timeout_outcome(pg, "atomic-django")
+    kept = _lock_timeout_outcome(prepared_pg, "atomic-kept")
+    assert "_celery_fenced_cursor" in connections[prepared_pg].__dict__
+    with connections[prepared_pg].execute_wrapper(_passthrough):  # forces Django's cursor
+        django = _lock_timeout_outcome(prepared_pg, "atomic-django")
     assert kept == django, (kept, django)
 
 
@@ -99,58 +94,60 @@ def _wrapt_patch(original: Any, seen: list[str]) -> Any:
     return _Proxy(original, seen)
 
 
-def test_apm_patching_cursorwrapper_execute__sees_the_stores_statements(pg: str) -> None:
+def test_apm_patching_cursorwrapper_execute__sees_the_stores_statements(prepared_pg: str) -> None:
     """An APM's ``CursorWrapper.execute`` as a wrapt-like proxy (not a function, its
     ``__code__`` Django's) sees the store's statements even after the kept cursor was
     made (a function in its place: ``test_prepared_attack``)."""
-    acquire("apm", ttl=30, using=pg).release()  # the kept cursor made
-    assert _seen_by_patched_execute(pg, _wrapt_patch) >= 2
+    acquire("apm", ttl=30, using=prepared_pg).release()  # the kept cursor made
+    assert _seen_by_patched_execute(prepared_pg, _wrapt_patch) >= 2
 
 
 def test_observers_on_djangos_connection__see_the_stores_statements(
-    pg: str, settings: Any
+    prepared_pg: str, settings: Any
 ) -> None:
     """``CaptureQueriesContext``, an ``execute_wrapper`` and ``DEBUG`` see them all."""
-    connection = connections[pg]
-    acquire("obs", ttl=30, using=pg).release()
+    connection = connections[prepared_pg]
+    acquire("obs", ttl=30, using=prepared_pg).release()
     with CaptureQueriesContext(connection) as captured:
-        acquire("obs", ttl=30, using=pg).release()
+        acquire("obs", ttl=30, using=prepared_pg).release()
     assert len(captured.captured_queries) >= 2
     seen: list[str] = []
     with connection.execute_wrapper(lambda ex, sql, p, m, c: seen.append(sql) or ex(sql, p, m, c)):
-        acquire("obs", ttl=30, using=pg).release()
+        acquire("obs", ttl=30, using=prepared_pg).release()
     assert len(seen) >= 2
     settings.DEBUG = True
     connection.queries_log.clear()
-    acquire("obs", ttl=30, using=pg).release()
+    acquire("obs", ttl=30, using=prepared_pg).release()
     assert len(connection.queries) >= 2
 
 
-def test_simple_test_case_guard__refuses_the_stores_statements(pg: str) -> None:
+def test_simple_test_case_guard__refuses_the_stores_statements(prepared_pg: str) -> None:
     """``SimpleTestCase`` replaces ``connection.cursor`` of the databases it does not
     allow (django-debug-toolbar and ddtrace replace it too): the store's statements go
     through it, on a connection opened before as on a new one."""
-    acquire("guard", ttl=30, using=pg).release()  # connection open, cursor kept
+    acquire("guard", ttl=30, using=prepared_pg).release()  # connection open, cursor kept
 
     from django.test.testcases import _DatabaseFailure
 
-    connection = connections[pg]
+    connection = connections[prepared_pg]
     connection.cursor = _DatabaseFailure(connection.cursor, "queries not allowed")
     try:
         with pytest.raises(Exception, match="not allowed"):
-            acquire("guard", ttl=30, using=pg)
+            acquire("guard", ttl=30, using=prepared_pg)
     finally:
         connection.cursor = connection.cursor.wrapped  # as SimpleTestCase puts it back
-    acquire("guard", ttl=30, using=pg).release()
+    acquire("guard", ttl=30, using=prepared_pg).release()
     kept = connection.__dict__["_celery_fenced_cursor"]
-    acquire("guard", ttl=30, using=pg).release()
+    acquire("guard", ttl=30, using=prepared_pg).release()
     assert connection.__dict__["_celery_fenced_cursor"] is kept  # its own method: kept again
 
 
-def test_kept_worker_connection__a_wrapt_apm_sees_its_statements(broker: Broker, pg: str) -> None:
+def test_kept_worker_connection__a_wrapt_apm_sees_its_statements(
+    broker: Broker, prepared_pg: str
+) -> None:
     """A delivery's grant and success on the worker's kept connection, through Celery's
     tracer, go through an APM's wrapt-like ``CursorWrapper.execute``."""
-    kept = store.kept_connection(pg, DELIVERED)
+    kept = store.kept_connection(prepared_pg, DELIVERED)
     assert kept is not None
     deliver_id(broker, publish(broker, "warm"))
     task_id = publish(broker, "a")
@@ -180,16 +177,16 @@ class _CursorProxy:
 
 
 def test_connection_cursor_wrapped_by_a_tracer__the_stores_statements_go_through_it(
-    pg: str,
+    prepared_pg: str,
 ) -> None:
     """A tracer that wraps ``cursor`` on the connection with a proxy (ddtrace) sees the
     store's statements, as django-debug-toolbar's plain replacement does."""
-    connection = connections[pg]
-    acquire("proxied", ttl=30, using=pg).release()  # the kept cursor made
+    connection = connections[prepared_pg]
+    acquire("proxied", ttl=30, using=prepared_pg).release()  # the kept cursor made
     seen: list[str] = []
     connection.cursor = _CursorProxy(connection.cursor, seen)
     try:
-        acquire("proxied", ttl=30, using=pg).release()
+        acquire("proxied", ttl=30, using=prepared_pg).release()
     finally:
         del connection.cursor
     assert len(seen) >= 2
