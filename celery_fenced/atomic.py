@@ -68,6 +68,16 @@ class RetryAfterBody(BaseException):
         self.retry_kwargs = kwargs
 
 
+class BodyNotBegun(Exception):
+    """The database failed as an atomic body's transaction was opened (a restart, a lost
+    link): nothing of the body ran, so the job is sent again, as after a database error
+    before the grant. ``error`` is the database's error."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class BodyTransaction:
     """The open transaction of one atomic body on its lease's database (this thread's)."""
 
@@ -191,7 +201,10 @@ def run_body(
     """
     close_leaked()  # never run a body inside another's forgotten transaction
     body = BodyTransaction(lease)
-    body.begin()
+    try:
+        body.begin()
+    except (OperationalError, InterfaceError) as exc:
+        raise BodyNotBegun(exc) from exc
     carry(request, replace(state_of(request), atomic=body))
     try:
         with ExitStack() as stack:
@@ -352,4 +365,4 @@ def _quietly(step: Callable[[], None]) -> None:
         logger.info("closing an atomic body's transaction failed", exc_info=True)
 
 
-__all__ = ["BodyTransaction", "body_of", "close_leaked", "run_body"]
+__all__ = ["BodyNotBegun", "BodyTransaction", "body_of", "close_leaked", "run_body"]

@@ -9,7 +9,14 @@ from typing import Any
 
 from celery import states
 from celery.app.task import Context
-from django.db import DatabaseError, connections, router, transaction
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.db.models.functions import Now
 from django.db.transaction import TransactionManagementError
 from django_celery_results.backends.database import DatabaseBackend
@@ -116,15 +123,55 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             body.rollback()
             self._refuse(task_id, result, status, request, lease, refused.current)
             return False
+        except (OperationalError, InterfaceError) as exc:
+            body.rollback()
+            return self._after_body_lost(task_id, request, lease, exc)
         except BaseException:
             body.rollback()
             raise
         try:
             body.commit()
+        except (OperationalError, InterfaceError) as exc:
+            if body.committed:
+                raise
+            return self._after_body_lost(task_id, request, lease, exc)
         finally:
             if body.committed:  # a hook of the body's that raised changes nothing of this
                 renewer().unregister(lease)
                 lease.confirm_released()
+        return True
+
+    def _after_body_lost(
+        self, task_id: str, request: Context | None, lease: HeldLease, exc: Exception
+    ) -> bool:
+        """An atomic body's success met a database error as it was proven or committed (a
+        restart, a failover, a lost link, a deadlock): nothing of the body stands, so the
+        job runs again, not ends as a FAILURE.
+
+        Once the database answers, a commit that did land (its answer lost with the
+        connection) is found by its release, and stands. Otherwise the task sends the job
+        again at once, under its grant proven, and records its RETRY, which releases the
+        grant. An eager run, or a task that is not fenced, raises ``exc``.
+        """
+        if self._through_outages(
+            task_id, [lease.alias], lambda: self._settled_by(task_id, states.SUCCESS, lease)
+        ):
+            renewer().unregister(lease)
+            lease.confirm_released()
+            return True
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        send_again = getattr(task, "send_again_after_lost_body", None)
+        if send_again is None or getattr(request, "is_eager", False):
+            raise exc
+        logger.warning(
+            "task %s[%s]: the database failed before its atomic body committed (%s); "
+            "nothing of it was committed: the job is sent again",
+            getattr(request, "task", None),
+            task_id,
+            exc,
+            extra={"task_id": task_id, "lease_key": lease.key, "fencing_token": lease.token},
+        )
+        send_again(exc)
         return True
 
     def process_cleanup(self) -> None:

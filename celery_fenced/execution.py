@@ -128,6 +128,8 @@ class FencedExecution(Publishing, Outcomes, Granting):
             if exc.key != key or exc.token != lease.token:
                 raise
             return self._on_lost(lease, exc)
+        except atomic.BodyNotBegun as failed:
+            return self._on_database_error(failed.error, "before its atomic body began")
         except (Ignore, Reject):
             self._fenced_release("IGNORED")
             raise

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from billiard.einfo import ExceptionInfo
 from celery import Signature, states
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from celery_fenced import atomic, context, outages, outbox, store
+from celery_fenced import atomic, context, outages, outbox, store, workflow
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import carry, state_of
@@ -123,11 +123,15 @@ class Outcomes(FencedOptions):
         """The database of this execution's lease (the lease database when none is held)."""
         return self.lease.alias if self.lease is not None else store.database_alias()
 
-    def _on_database_error(self, exc: Exception) -> NoReturn:
-        """The database failed before the grant: try the job again later, not never.
+    def _on_database_error(
+        self, exc: Exception, when: str = "before the lease was granted"
+    ) -> NoReturn:
+        """The database failed before the body ran (before the grant, or as an atomic
+        body's transaction was opened): try the job again later, not never.
 
         Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
-        covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s).
+        covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s);
+        a grant held is proven for the re-send, then released as RETRY.
         """
         # counted in a header of our own: the package's re-sends keep ``retries``
         attempt = getattr(self.request, DATABASE_RETRIES, 0)
@@ -135,14 +139,35 @@ class Outcomes(FencedOptions):
         countdown = min(2.0 ** min(attempt, 4), 10.0)
 
         logger.warning(
-            "task %s[%s]: database error before the lease was granted (%s); retrying in %.0f s",
+            "task %s[%s]: database error %s (%s); retrying in %.0f s",
             self.name,
             self.request.id,
+            when,
             exc,
             countdown,
         )
         with outbox.unrecorded():  # the database is away: the broker holds it meanwhile
-            self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
+            self._retry_unlimited(
+                exc,
+                countdown,
+                keep_count=self.lease is None,
+                headers={DATABASE_RETRIES: attempt + 1},
+            )
+
+    def send_again_after_lost_body(self, exc: Exception) -> None:
+        """The job sent again at once, its RETRY recorded: the database failed before this
+        execution's atomic body committed (called by the fenced result backend as it
+        settles the body's success; nothing of the body stands).
+
+        The re-send is proven under the grant, as a retry the body asked for; its chain and
+        callbacks go with it. Recording the RETRY releases the grant.
+        """
+        request = self.request
+        workflow.restore_successors(request)
+        try:
+            self._retry_unlimited(exc, 0, keep_count=False)
+        except Retry:
+            self.backend.mark_as_retry(request.id, exc, request=request)  # type: ignore[attr-defined]
 
     def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
         """The body learned its grant is gone, or a write it made was refused.
@@ -194,8 +219,14 @@ class Outcomes(FencedOptions):
         countdown = max(busy.remaining, 0.05)
         self._retry_unlimited(busy, countdown)
 
-    def _retry_unlimited(self, exc: Exception, countdown: float, **options: Any) -> NoReturn:
+    def _retry_unlimited(
+        self, exc: Exception, countdown: float, *, keep_count: bool = True, **options: Any
+    ) -> NoReturn:
         """Send the job again in ``countdown`` seconds, whatever the task's ``max_retries``.
+
+        ``keep_count``: the re-send carries the ``retries`` the body sees (no grant of
+        this execution is released as RETRY); else one more, as Celery's retry does, so
+        that the RETRY release does not make the re-send a completed duplicate.
 
         A wait for the key, a lost grant or a database error is not the task failing, so
         the task's ``max_retries`` does not end it (Celery still counts these retries in
@@ -210,7 +241,7 @@ class Outcomes(FencedOptions):
         eager = getattr(request, "is_eager", False)
         limit = None if eager else UNLIMITED_RETRIES
         retries = request.retries
-        if not eager:
+        if not eager and keep_count:
             # Celery sends ``retries + 1``: this re-send keeps the count the body sees, so
             # that a completed job's copy is still recognised as a duplicate
             request.retries = retries - 1

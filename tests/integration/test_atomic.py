@@ -48,6 +48,7 @@ FENCED_TASKS = {
     "atomic.hold": {"ttl": 2, "key": "charge:{name}", "atomic": True},
     "atomic.proven": {"ttl": 2, "key": "charge:{name}", "atomic": True},
     "atomic.cut": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.cut_last": {"ttl": 30, "key": "charge:{name}", "atomic": True},
 }
 #: what a body does once its gate opens, by thread name: "raise", "retry"
 ACTIONS: dict[str, str] = {}
@@ -130,30 +131,53 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         Celery's ``autoretry_for`` asks for a retry from inside the body."""
         thread = threading.current_thread().name
         write(name, thread)
-        alias = router.db_for_write(Report)
-        if connections[alias].vendor == "mysql":
-            with connections[alias].cursor() as cursor:
-                cursor.execute("SELECT CONNECTION_ID()")
-                (session,) = cursor.fetchone()
-            admin = side_connection(alias)
-            try:
-                admin.cursor().execute("KILL %s", [session])
-            finally:
-                admin.close()
-        else:
-            with connections[alias].cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                (pid,) = cursor.fetchone()
-            with connections[alias].cursor() as cursor:
-                cursor.execute("SELECT pg_terminate_backend(%s) FROM (SELECT 1) AS one", [pid])
+        end_session(router.db_for_write(Report))
         write(name, thread)  # the session is gone: OperationalError
         return f"cut by {thread}"
+
+    @app.task(name="atomic.cut_last", bind=True, shared=False)
+    def cut_last(self: Any, name: str) -> str:
+        """Writes and publishes its child, then its session is ended as it returns (the
+        database restarts before the settle): no statement of the body meets it."""
+        thread = threading.current_thread().name
+        RUNS.append(("atomic.cut_last", name, thread))
+        write(name, thread)
+        app.send_task("atomic.notify", args=[name, thread])
+        if len(runs("atomic.cut_last")) == 1:
+            end_session(router.db_for_write(Report))
+        return f"cut last by {thread}"
 
     @app.task(name="atomic.notify", shared=False)
     def notify(name: str, by: str) -> None:
         RUNS.append(("atomic.notify", (name, by), threading.current_thread().name))
 
     return app
+
+
+def end_session(alias: str) -> None:
+    """The database server ends this thread's session on ``alias`` (as a restart would),
+    from a connection of its own; returns once the session is gone."""
+    mysql = connections[alias].vendor == "mysql"
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+        (session,) = cursor.fetchone()
+    admin = side_connection(alias)
+    try:
+        cursor = admin.cursor()
+        if mysql:
+            cursor.execute("KILL %s", [session])
+            gone = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+        else:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [session])
+            gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+
+        def ended() -> bool:
+            cursor.execute(gone, [session])
+            return cursor.fetchone()[0] == 0
+
+        wait_for(ended, f"the server ending session {session}")
+    finally:
+        admin.close()
 
 
 @pytest.fixture
@@ -369,6 +393,64 @@ def test_atomic_body_whose_session_dies__autoretry_sends_its_retry_after_the_rol
     assert Lease.objects.using(lease_db).get(key="charge:inv-1").released_at is not None
 
 
+def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """The body writes, publishes its child and returns; the database ends its session
+    before the settle (a restart): the proof meets the ended session. Nothing of the body
+    committed, so the job is sent again under its grant (not ended as a FAILURE); the
+    second delivery commits once."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
+    result = broker.app.send_task("atomic.cut_last", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.cut_last"))
+    sent = broker.sent("atomic.cut_last")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.RETRY)
+    deliver(broker.app, sent[1])
+    assert status(lease_db, result.id) == (states.SUCCESS, '"cut last by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.notify")) == 1
+    assert len(broker.sent("atomic.cut_last")) == 2
+
+
+def test_atomic_body_whose_transaction_cannot_begin__job_sent_again_not_failed(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grant commits; the database ends the session before the body's transaction
+    is opened on it (a restart between the two). No body ran: the job is sent again, as
+    after a database error before the grant (``autoretry_for`` covers only the body),
+    with its grant released as RETRY."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
+    real = atomic._bound
+    ended: list[str] = []
+
+    def ended_first(alias: str, ttl: float) -> Any:
+        if not ended:
+            ended.append(alias)
+            end_session(alias)
+        return real(alias, ttl)
+
+    monkeypatch.setattr(atomic, "_bound", ended_first)
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.charge"))
+    assert ended == [lease_db]
+    assert runs("atomic.charge") == []
+    sent = broker.sent("atomic.charge")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.RETRY)
+    deliver(broker.app, sent[1])
+    assert status(lease_db, result.id) == (states.SUCCESS, '"charged by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+
+
 def _idle_transactions(alias: str) -> int:
     """Sessions of the test database idle in an open transaction (not this one)."""
     with connections[alias].cursor() as cursor:
@@ -461,12 +543,13 @@ def test_atomic_body__its_bound_is_not_left_on_the_session(
     assert bound() == before
 
 
-def test_atomic_body_whose_commit_fails__nothing_of_it_commits(
+def test_atomic_body_whose_commit_fails__nothing_of_it_commits_and_it_runs_again(
     broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The settle's commit fails (the database refuses it, or the connection is lost as it
     commits): the body's writes, its child, its success and the release all roll back;
-    the failure is then recorded, and the lease released, apart."""
+    the job is then sent again under its grant, its RETRY recorded apart; the second
+    delivery commits once."""
     from django.db import OperationalError
 
     connection = connections[lease_db]
@@ -482,14 +565,54 @@ def test_atomic_body_whose_commit_fails__nothing_of_it_commits(
 
     result = broker.app.send_task("atomic.charge", args=["inv-1"])
     monkeypatch.setattr(connection, "commit", commit)
-    with pytest.warns(RuntimeWarning, match="the commit failed"):
-        deliver(broker.app, broker.one("atomic.charge"))
+    deliver(broker.app, broker.one("atomic.charge"))
     monkeypatch.setattr(connection, "commit", real)
     assert failed
     assert report(lease_db) == ("", "")
     assert broker.sent("atomic.notify") == []
-    assert PendingJob.objects.using(lease_db).count() == 0
-    assert status(lease_db, result.id)[0] == states.FAILURE  # recorded after, apart
+    pending = PendingJob.objects.using(lease_db)
+    assert list(pending.values_list("task_name", flat=True)) == ["atomic.charge"]  # the re-send
+    assert status(lease_db, result.id)[0] == states.RETRY  # recorded after, apart
     lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
-    assert (lease.released_at is not None, lease.release_state) == (True, states.FAILURE)
+    assert (lease.released_at is not None, lease.release_state) == (True, states.RETRY)
+    assert not connection.in_atomic_block
+    (_, again) = broker.sent("atomic.charge")
+    deliver(broker.app, again)
+    assert status(lease_db, result.id) == (states.SUCCESS, '"charged by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.notify")) == 1
+    assert not pending.filter(task_name="atomic.charge").exists()
+
+
+def test_atomic_body_whose_commit_answer_is_lost__its_success_stands(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit reaches the database, but its answer is lost with the connection: the
+    release committed with the body shows it, so the success stands and the job is not
+    sent again; the child's outbox row, committed with it, is left to the outbox's sweep
+    (the commit hooks that send it at once never ran)."""
+    from django.db import OperationalError
+
+    connection = connections[lease_db]
+    real = connection.commit
+    lost: list[bool] = []
+
+    def commit() -> None:
+        if connection.in_atomic_block or lost or not runs("atomic.charge"):
+            return real()
+        lost.append(True)
+        connection.connection.commit()  # it lands; Django never hears of it
+        raise OperationalError("the connection was lost as it committed")
+
+    result = broker.app.send_task("atomic.charge", args=["inv-1"])
+    monkeypatch.setattr(connection, "commit", commit)
+    deliver(broker.app, broker.one("atomic.charge"))
+    monkeypatch.setattr(connection, "commit", real)
+    assert lost
+    assert status(lease_db, result.id) == (states.SUCCESS, '"charged by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.charge")) == 1  # not sent again
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.SUCCESS)
+    assert PendingJob.objects.using(lease_db).filter(task_name="atomic.notify").count() == 1
     assert not connection.in_atomic_block
