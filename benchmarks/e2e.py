@@ -12,11 +12,13 @@ time, the CPU the batch cost is read from ``/proc``: the worker's processes, Pos
 
 from __future__ import annotations
 
+import pickle
 import re
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
@@ -33,6 +35,7 @@ from benchmarks.common import (
     servers_cpu_parts,
     spread,
     statements_per_task,
+    statements_sent,
     worker_env,
 )
 
@@ -88,6 +91,15 @@ VARIANTS = (
         PLAIN_BACKEND,
         True,
     ),
+    # the floor of "fenced-reuse": a plain task acknowledged late that sends the fenced
+    # execution's two statements raw, prepared, and runs no package code
+    Variant(
+        "floor-reuse",
+        "floor: plain acks_late + the fenced statements raw, prepared, kept",
+        "bench.noop_floor",
+        PLAIN_BACKEND,
+        True,
+    ),
     # what user code does: ``.delay()`` (``apply_async``), a fenced job through the outbox,
     # on the same workers as the two "connections kept" variants
     Variant(
@@ -119,7 +131,11 @@ def _start_workers(ctx: Context, variants: Sequence[Variant] = VARIANTS) -> dict
     """One worker per variant, on the variant's queue, ready: name -> ``Worker``."""
     from devtools.workers import Worker
 
-    env = {**worker_env(ctx), "FENCED_PG_USER": WORKER_ROLE}
+    env = {
+        **worker_env(ctx),
+        "FENCED_PG_USER": WORKER_ROLE,
+        "BENCH_FLOOR_STATEMENTS": str(_capture_floor(ctx)),
+    }
     workers: dict[str, Any] = {}
     try:
         for variant in variants:
@@ -145,6 +161,51 @@ def _start_workers(ctx: Context, variants: Sequence[Variant] = VARIANTS) -> dict
             worker.stop()
         raise
     return workers
+
+
+def _capture_floor(ctx: Context) -> Path:
+    """The two statements a fenced execution of ``bench.noop_fenced`` sends (its grant,
+    then the release that writes its result row), captured from one run through Celery's
+    tracer with the fenced backend, on its key's second grant; saved for the floor's task
+    (``bench.noop_floor``) with the workers' connection string."""
+    from celery.app.trace import build_tracer
+
+    import benchmarks.tasks  # noqa: F401 - registers the tasks in this process
+    from celery_fenced.backends import FencedDatabaseBackend
+    from celery_fenced.store import dialects
+    from testproject.celery import app
+
+    task = app.tasks["bench.noop_fenced"]
+    task.backend = FencedDatabaseBackend(app=app)
+    try:
+        trace = build_tracer(task.name, task, app=app, hostname="floor@capture")
+
+        def run_once() -> None:
+            task_id = f"floor-capture-{uuid.uuid4().hex}"
+            request = {
+                "id": task_id,
+                "task": task.name,
+                "args": [-1],
+                "kwargs": {},
+                "delivery_info": {"exchange": "", "routing_key": "floor", "priority": 0},
+                "hostname": "floor@capture",
+                "is_eager": False,
+            }
+            outcome = trace(task_id, [-1], {}, request)
+            if outcome.info is not None:
+                raise RuntimeError(f"the floor's capture run failed: {outcome}")
+
+        run_once()  # the key's row made, as every key's is after the warm-up
+        with statements_sent(dialects.PostgreSQL) as sent:
+            run_once()
+    finally:
+        task.backend = None
+    if len(sent) != 2:
+        raise RuntimeError(f"a fenced execution sent {len(sent)} statements, not 2: {sent}")
+    path = ctx.work / "floor-statements.pickle"
+    with path.open("wb") as out:
+        pickle.dump((ctx.conninfo(user=WORKER_ROLE), sent[0], sent[1]), out)
+    return path
 
 
 def _truncate_results() -> None:
@@ -306,6 +367,10 @@ def _lines(
         ("fenced-reuse", "plain-reuse", "fenced vs plain, connections kept", 1.10),
         ("redis-lock", "plain", "Redis lock vs plain", None),
         ("fenced-reuse", "plain-acks-late-reuse", "fenced vs plain acks_late, kept", 1.05),
+        # the floor: what is left of the two lines above with no package code running
+        ("floor-reuse", "plain-reuse", "floor (the statements raw) vs plain, kept", None),
+        ("floor-reuse", "plain-acks-late-reuse", "floor vs plain acks_late, kept", None),
+        ("fenced-reuse", "floor-reuse", "fenced vs its floor, kept", None),
         ("fenced-delay", "plain-delay", ".delay(): fenced (outbox) vs plain, kept", None),
     )
     for name, base, case, limit in compared:

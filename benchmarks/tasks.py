@@ -8,6 +8,10 @@
 - ``noop_redis_lock``: a plain task under a Redis lock per job, the way celery-singleton and
   python-redis-lock do it: ``SET key token NX PX ttl`` before the body, a compare-and-delete
   script after it;
+- ``noop_floor``: the floor of ``noop_fenced``: a plain task acknowledged late that sends
+  the two statements a fenced execution sends (its grant, and the release that writes its
+  result row), captured from one by the runner, raw on a psycopg connection of its own
+  that prepares them; no package code runs;
 - ``noop_atomic``: ``noop_fenced`` with an atomic body (``lease_atomic``);
 - ``write_atomic``: an atomic body doing one plain ``QuerySet.update()`` of its job's row;
 - ``write_fenced``: the same write through ``fenced_update`` in a fenced (non-atomic) body.
@@ -18,7 +22,11 @@ The rows written are ``Report`` rows named ``bench-write-atomic:{job}`` and
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+import json
 import os
+import pickle
 import uuid
 from typing import Any
 
@@ -72,6 +80,63 @@ class RedisLockTask(Task):  # type: ignore[type-arg]
             unlock(keys=[key], args=[token])
 
 
+class FloorTask(Task):  # type: ignore[type-arg]
+    """A plain task, acknowledged late, that sends a fenced execution's two statements
+    (captured by the runner into ``BENCH_FLOOR_STATEMENTS``) raw, prepared, around its
+    body: the grant of its job's key, then the release that writes its result row."""
+
+    abstract = True
+    acks_late = True
+    ignore_result = True  # the release statement writes the result row
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        connection, (grant, grant_params), (release, release_params) = _floor()
+        task_id = self.request.id
+        key = f"bench-floor:{args[0] if args else ''}"
+        owner = f"floor:{os.getpid()}"
+        # the message's digest: the grant refuses a job already completed with it
+        digest = hashlib.md5(f"{task_id}:{args}".encode()).hexdigest()
+        named = {"key": key, "owner": owner, "task_id": task_id, "digest": digest}
+        rows = connection.execute(grant, {**grant_params, **named}).fetchall()
+        if not rows or rows[0][1] is None:
+            raise RuntimeError(f"the captured grant did not grant {key!r}: {rows}")
+        token = rows[0][1]
+        retval = super().__call__(*args, **kwargs)
+        now = dt.datetime.now(dt.timezone.utc)
+        meta = {"fencing_token": token, "lease_key": key, "children": []}
+        ending = {
+            **release_params,
+            **named,
+            "token": token,
+            "lock": f"celery_fenced.result:{task_id}",
+            "detail": json.dumps({"state": "SUCCESS", "retries": 0, "digest": digest}),
+            "result_task_id": task_id,
+            "result_task_args": json.dumps(list(args)),
+            "result_date_created": now,
+            "result_date_done": now,
+            "result_meta": json.dumps(meta),
+        }
+        if not connection.execute(release, ending).fetchall():
+            raise RuntimeError(f"the captured release did not release {key!r}")
+        return retval
+
+
+_floor_statements: Any = None
+
+
+def _floor() -> Any:
+    """This process's connection (prepares every statement) and the captured statements."""
+    global _floor_statements
+    if _floor_statements is None:
+        import psycopg
+
+        with open(os.environ["BENCH_FLOOR_STATEMENTS"], "rb") as captured:
+            conninfo, grant, release = pickle.load(captured)
+        connection = psycopg.connect(conninfo, autocommit=True, prepare_threshold=0)
+        _floor_statements = (connection, grant, release)
+    return _floor_statements
+
+
 @shared_task(name="bench.noop_plain")
 def noop_plain(job: int) -> None:
     """Do nothing."""
@@ -100,6 +165,11 @@ def noop_fenced(self: Any, job: int) -> None:
 )
 def noop_unique(self: Any, job: int) -> None:
     """Do nothing; one copy per job queued at a time (``lease_unique``)."""
+
+
+@shared_task(name="bench.noop_floor", base=FloorTask)
+def noop_floor(job: int) -> None:
+    """Do nothing, between the statements a fenced execution sends, raw."""
 
 
 @shared_task(name="bench.noop_redis_lock", base=RedisLockTask)
