@@ -35,7 +35,7 @@ def test_benchmarks__a_batch_measured_at_zero_cpu_gives_no_ratio() -> None:
     parts = {name: {"worker": [0.0, 0.0], "PostgreSQL": [0.0, 0.0]} for name in times}
     lines = _lines(10, times, cpu, counts, parts)
     cpu_lines = [line for line in lines if line.case.startswith("CPU")]
-    assert len(cpu_lines) == 8  # six comparisons, and the kept variants' two parts
+    assert len(cpu_lines) == 11  # nine comparisons, and the kept variants' two parts
     assert all(line.ratio is None and line.shown_ratio == "" for line in cpu_lines)
     server = next(line for line in lines if "execution time" in line.case)
     assert server.ratio == pytest.approx(1.5)
