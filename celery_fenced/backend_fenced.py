@@ -171,8 +171,7 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             exc,
             extra={"task_id": task_id, "lease_key": lease.key, "fencing_token": lease.token},
         )
-        send_again(exc)
-        return True
+        return bool(send_again(exc))
 
     def process_cleanup(self) -> None:
         """After every task: an atomic body's transaction still open is rolled back."""

@@ -129,6 +129,10 @@ class FencedExecution(Publishing, Outcomes, Granting):
                 raise
             return self._on_lost(lease, exc)
         except atomic.BodyNotBegun as failed:
+            if not self._end_grant_to_send_again(lease):
+                raise LeaseLost(
+                    key, lease.token, "taken over while its database was away"
+                ) from failed
             return self._on_database_error(failed.error, "before its atomic body began")
         except (Ignore, Reject):
             self._fenced_release("IGNORED")

@@ -127,11 +127,11 @@ class Outcomes(FencedOptions):
         self, exc: Exception, when: str = "before the lease was granted"
     ) -> NoReturn:
         """The database failed before the body ran (before the grant, or as an atomic
-        body's transaction was opened): try the job again later, not never.
+        body's transaction was opened, its grant then ended): try the job again later, not
+        never.
 
         Without a grant the reclaimer cannot see the job, and Celery's ``autoretry_for``
-        covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s);
-        a grant held is proven for the re-send, then released as RETRY.
+        covers only the body, so the job is sent again with a backoff (1, 2, 4 … 10 s).
         """
         # counted in a header of our own: the package's re-sends keep ``retries``
         attempt = getattr(self.request, DATABASE_RETRIES, 0)
@@ -147,27 +147,58 @@ class Outcomes(FencedOptions):
             countdown,
         )
         with outbox.unrecorded():  # the database is away: the broker holds it meanwhile
-            self._retry_unlimited(
-                exc,
-                countdown,
-                keep_count=self.lease is None,
-                headers={DATABASE_RETRIES: attempt + 1},
-            )
+            self._retry_unlimited(exc, countdown, headers={DATABASE_RETRIES: attempt + 1})
 
-    def send_again_after_lost_body(self, exc: Exception) -> None:
+    def send_again_after_lost_body(self, exc: Exception) -> bool:
         """The job sent again at once, its RETRY recorded: the database failed before this
         execution's atomic body committed (called by the fenced result backend as it
-        settles the body's success; nothing of the body stands).
+        settles the body's success; nothing of the body stands). Its chain and callbacks
+        go with it.
 
-        The re-send is proven under the grant, as a retry the body asked for; its chain and
-        callbacks go with it. Recording the RETRY releases the grant.
+        False when another execution took the key over meanwhile, or ended this grant:
+        nothing is sent, the job's outcome is the other's.
         """
         request = self.request
+        lease = self.lease
         workflow.restore_successors(request)
+        if lease is None or not self._end_grant_to_send_again(lease):
+            return False
+        with contextlib.suppress(Retry):
+            self._retry_unlimited(exc, 0)
         try:
-            self._retry_unlimited(exc, 0, keep_count=False)
-        except Retry:
             self.backend.mark_as_retry(request.id, exc, request=request)  # type: ignore[attr-defined]
+        except Exception:
+            # the job was sent again: it must not also end here as a FAILURE
+            logger.warning(
+                "task %s[%s]: sent again, but its RETRY could not be recorded",
+                self.name,
+                request.id,
+                exc_info=True,
+            )
+        return True
+
+    def _end_grant_to_send_again(self, lease: HeldLease) -> bool:
+        """End ``lease`` for its job to be sent again (after the database failed around an
+        atomic body: nothing of it committed), riding out the outage: True when its token
+        was still the key's and unreleased. The grant then expires at once unreleased (its
+        job is not done: no completion recorded), so the copy sent again, with the same
+        retry count, takes the key; the request holds no grant any more, and what it
+        records is untokened. False: another execution took the key over, or the grant was
+        ended; the lease is marked lost.
+        """
+        ended = outages.attempt_through(
+            lambda: store.end_unclaimed(lease),
+            [lease.alias],
+            f"could not end lease {lease.key!r} (token {lease.token}) to send its job again",
+            extra={"task_id": lease.task_id},
+        )
+        if not ended:
+            lease.mark_lost("the database failed around its atomic body", warn=False)
+            return False
+        renewer().unregister(lease)
+        lease.forget()
+        carry(self.request, replace(state_of(self.request), lease=None))
+        return True
 
     def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
         """The body learned its grant is gone, or a write it made was refused.
@@ -219,14 +250,8 @@ class Outcomes(FencedOptions):
         countdown = max(busy.remaining, 0.05)
         self._retry_unlimited(busy, countdown)
 
-    def _retry_unlimited(
-        self, exc: Exception, countdown: float, *, keep_count: bool = True, **options: Any
-    ) -> NoReturn:
+    def _retry_unlimited(self, exc: Exception, countdown: float, **options: Any) -> NoReturn:
         """Send the job again in ``countdown`` seconds, whatever the task's ``max_retries``.
-
-        ``keep_count``: the re-send carries the ``retries`` the body sees (no grant of
-        this execution is released as RETRY); else one more, as Celery's retry does, so
-        that the RETRY release does not make the re-send a completed duplicate.
 
         A wait for the key, a lost grant or a database error is not the task failing, so
         the task's ``max_retries`` does not end it (Celery still counts these retries in
@@ -241,7 +266,7 @@ class Outcomes(FencedOptions):
         eager = getattr(request, "is_eager", False)
         limit = None if eager else UNLIMITED_RETRIES
         retries = request.retries
-        if not eager and keep_count:
+        if not eager:
             # Celery sends ``retries + 1``: this re-send keeps the count the body sees, so
             # that a completed job's copy is still recognised as a duplicate
             request.retries = retries - 1
