@@ -74,6 +74,8 @@ class Worker:
             # the test's broker, unless the environment given names one
             "FENCED_BROKER_URL": env.get("FENCED_BROKER_URL") or broker_url(broker),
             "FENCED_WORKER_NAME": name,
+            # libpq's application_name: PostgreSQL's sessions name their worker
+            "PGAPPNAME": self.name,
             "DJANGO_SETTINGS_MODULE": "testproject.settings",
             "PYTHONPATH": str(ROOT),
             **env,

@@ -74,6 +74,9 @@ class Options:
     work: tuple[float, float] = (0.05, 1.2)  # seconds of work per job
     gap: tuple[float, float] = (0.4, 1.6)  # seconds between chaos events
     pg_restart: bool = True
+    #: end every PostgreSQL session of a worker now and then (a dropped link, a proxy or
+    #: failover resetting connections): what runs on them meets a session ended under it
+    session_cuts: bool = True
     #: restart Redis empty mid-run (no persistence: every queued message is gone), down for
     #: a moment while jobs are published
     broker_restart: bool = True
@@ -98,6 +101,9 @@ class Events:
     main_pauses: int = 0
     kills: int = 0
     pg_restarts: int = 0
+    #: a worker's PostgreSQL sessions ended at once (and how many sessions in all)
+    session_cuts: int = 0
+    sessions_cut: int = 0
     pg_restart_error: str = ""
     pg_restart_window: tuple[dt.datetime, dt.datetime] | None = None  # local wall clock
     #: task id -> when workers logged receiving it (local wall clock, from their logs)
@@ -454,12 +460,18 @@ class Runner:
 
     def chaos(self) -> None:
         running = self.running()
-        action = self.rng.choices(["pause", "pause_main", "kill"], weights=[6, 1.5, 2])[0]
+        cut = 1.0 if self.options.session_cuts else 0.0
+        action = self.rng.choices(
+            ["pause", "pause_main", "kill", "cut"], weights=[6, 1.5, 2, cut]
+        )[0]
         if len(running) <= 1:
             return  # keep one worker consuming
         slot = self.rng.choice(running)
         if action == "kill":
             self.kill(slot)
+            return
+        if action == "cut":
+            self.cut_sessions(slot)
             return
         seconds = self.rng.uniform(0.5, 3.0) * self.options.ttl
         if action == "pause":
@@ -474,6 +486,28 @@ class Runner:
         slot.main_only = action == "pause_main"
         slot.paused_until = time.monotonic() + seconds
         self.note(f"{action} {slot.worker.name} for {seconds:.1f}s")
+
+    def cut_sessions(self, slot: Slot) -> None:
+        """End every PostgreSQL session of ``slot``'s worker (its processes name them:
+        ``application_name``): its running bodies, grants, renewals and settles meet a
+        session the server ended, as after a dropped link."""
+        from django.db import connection
+
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = %s",
+                    [slot.worker.name],
+                )
+                (ended,) = cursor.fetchone()
+        except Exception as exc:  # the database restarting: no cut this time
+            self._reset_connections()
+            self.note(f"cut {slot.worker.name}'s sessions failed: {exc!r}")
+            return
+        self.events.session_cuts += 1
+        self.events.sessions_cut += int(ended)
+        self.note(f"cut {slot.worker.name}'s {ended} PostgreSQL sessions")
 
     def resume(self, slot: Slot) -> None:
         if slot.worker.process.poll() is None:
@@ -1067,6 +1101,8 @@ def check(
         ("pauses (main process only)", events.main_pauses),
         ("kills (and restarts)", events.kills),
         ("PostgreSQL restarts", events.pg_restarts),
+        ("cuts of a worker's PostgreSQL sessions", events.session_cuts),
+        ("sessions ended by the cuts", events.sessions_cut),
         (BROKER_FAULTS[options.broker], events.broker_faults),
         ("workers that exited on their own (started again)", events.exits),
         ("publishes that raised (the job is gone)", len(events.refused)),
@@ -1183,6 +1219,9 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--no-pg-restart", action="store_true", help="do not restart PostgreSQL")
     parser.add_argument(
+        "--no-session-cuts", action="store_true", help="never end a worker's database sessions"
+    )
+    parser.add_argument(
         "--no-broker-restart", action="store_true", help="do not restart Redis (empty)"
     )
     parser.add_argument(
@@ -1220,6 +1259,7 @@ def parse(argv: list[str]) -> Options:
         rate=args.rate,
         seed=args.seed if args.seed is not None else random.randrange(1 << 30),
         pg_restart=not args.no_pg_restart,
+        session_cuts=not args.no_session_cuts,
         broker_restart=not args.no_broker_restart,
         outbox=not args.no_outbox,
         drain_timeout=args.drain_timeout,

@@ -29,8 +29,9 @@ h. ``replace``: a job whose task replaces itself with its own signature (the sam
    as a copy of the task it replaced.
 
 Atomic jobs (``chaos.atomic``: fenced by configuration with ``"atomic": True``; a plain
-``QuerySet.update()`` of the job's slot, a ledger row and a plain child task), checked by
-:func:`check_atomic`:
+``QuerySet.update()`` of the job's slot, a ledger row and a plain child task; half of
+them have their first execution's session ended as it returns, so that its settle meets
+the ended session), checked by :func:`check_atomic`:
 
 i. ``atomic-effect``: the effect is applied at most once, and once exactly for a SUCCESS,
    by the execution whose result is stored (a stale execution's update never commits).
@@ -260,7 +261,10 @@ class Sender:
     def send_atomic(self, name: str) -> Job:
         # fenced by configuration, atomic: a plain update of the slot the runner made for
         # the job's base name (``job00012`` of ``job00012-atomic``), and a plain child
+        # half of them have their first execution's session ended as it returns: the
+        # settle meets the ended session, nothing commits, and the job must run again
         kwargs = {"slot": atomic_slot(name), "seconds": self.seconds()}
+        kwargs["cut"] = self.rng.random() < 0.5
         result = self.sig("chaos.atomic", (name,), kwargs).apply_async()
         return self._job(name, "atomic", {"task": result.id})
 

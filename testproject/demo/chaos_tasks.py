@@ -488,11 +488,17 @@ def atomic_child_id(parent_id: str, token: int) -> str:
 
 
 @shared_task(bind=True, name="chaos.atomic", **RETRY)
-def atomic(self: Any, job: str, slot: str, seconds: float = 0.0) -> dict[str, Any]:
+def atomic(
+    self: Any, job: str, slot: str, seconds: float = 0.0, cut: bool = False
+) -> dict[str, Any]:
     """Fenced by configuration with ``"atomic": True`` and never naming its token for a
     write: a plain ``QuerySet.update()`` of the job's :class:`ChaosSlot`, a ledger row
     (``via="atomic"``, the execution's token) and a plain child task, published. Only an
     execution whose token is current when the body's transaction commits leaves any of it.
+
+    ``cut``: the first grant's execution (token 1) has its database session ended as it
+    returns, so that its settle meets the ended session (a dropped link at that instant):
+    nothing of it commits, and the job must run again.
     """
     _work(seconds)
     lease = current_lease()
@@ -506,7 +512,35 @@ def atomic(self: Any, job: str, slot: str, seconds: float = 0.0) -> dict[str, An
         task_id=atomic_child_id(parent_id, lease.token),
         queue=(self.request.delivery_info or {}).get("routing_key"),
     )
+    if cut and lease.token == 1:
+        _end_own_session()
     return _outcome(job, lease, True)
+
+
+def _end_own_session() -> None:
+    """The server ends this thread's PostgreSQL session (from a connection of its own);
+    returns once it is gone."""
+    import psycopg
+
+    connection = connections["default"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    info = connection.connection.info
+    with psycopg.connect(
+        host=info.host,
+        port=info.port,
+        user=info.user,
+        password=info.password or None,
+        dbname=info.dbname,
+        autocommit=True,
+    ) as side:
+        side.execute("SELECT pg_terminate_backend(%s)", [pid])
+        deadline = time.monotonic() + 10
+        while side.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"session {pid} was not ended")
+            time.sleep(0.01)
 
 
 @shared_task(name="chaos.atomic_child", **PLAIN)
