@@ -171,7 +171,17 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             exc,
             extra={"task_id": task_id, "lease_key": lease.key, "fencing_token": lease.token},
         )
-        return bool(send_again(exc))
+        if send_again(exc):
+            return True
+        # not sent again: another execution took the key over, or the grant was ended.
+        # Its outcome is that of any stale execution (R2): nothing over a redelivery of
+        # the same task id; else FAILURE(StaleToken), or the job would be left with no
+        # outcome, nothing pending, granted or running to give it one
+        current = self._through_outages(
+            task_id, [lease.alias], lambda: store.token_of(lease.key, using=lease.alias)
+        )
+        self._refuse(task_id, None, states.SUCCESS, request, lease, current)
+        return False
 
     def process_cleanup(self) -> None:
         """After every task: an atomic body's transaction still open is rolled back."""

@@ -52,6 +52,7 @@ from celery_fenced.store.grants import (
     grant_of,
     granted_again,
     record_duplicate,
+    token_of,
 )
 from celery_fenced.store.held import UNRENEWED, HeldLease, renew_many, unrenewed
 from celery_fenced.store.outbox import (
@@ -163,6 +164,7 @@ __all__ = [
     "renew_many",
     "settle_elsewhere",
     "time_limited",
+    "token_of",
     "unclaim",
     "unclaim_due",
     "unrenewed",

@@ -289,6 +289,16 @@ def grant_of(key: str, *, using: str | None = None) -> tuple[str, bool] | None:
     return None if row is None else (row[0], row[1] is not None)
 
 
+def token_of(key: str, *, using: str | None = None) -> int | None:
+    """The token of ``key``'s current or last grant, or None (no row)."""
+    return (
+        Lease._default_manager.using(database_alias(using))
+        .filter(key=key)
+        .values_list("token", flat=True)
+        .first()
+    )
+
+
 def granted_again(lease_key: str, task_id: str, token: int, *, using: str | None = None) -> bool:
     """Whether ``task_id``'s job was granted another permit of the key since its grant
     ``token`` on permit row ``lease_key`` (a redelivery that found another permit free):

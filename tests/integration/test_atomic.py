@@ -52,6 +52,7 @@ FENCED_TASKS = {
     "atomic.cut_last": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_last_strict": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_then_fail": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.cut_reclaimed": {"ttl": 30, "key": "charge:{name}", "atomic": True, "reclaim": True},
 }
 #: what a body does once its gate opens, by thread name: "raise", "retry"
 ACTIONS: dict[str, str] = {}
@@ -149,6 +150,20 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         if len(runs("atomic.cut_last")) == 1:
             end_session(router.db_for_write(Report))
         return f"cut last by {thread}"
+
+    @app.task(name="atomic.cut_reclaimed", bind=True, shared=False)
+    def cut_reclaimed(self: Any, name: str) -> str:
+        """``cut_last`` of a job the reclaimer may send again (``"reclaim": True``)."""
+        thread = threading.current_thread().name
+        RUNS.append(("atomic.cut_reclaimed", name, thread))
+        gate = GATES.get(thread)
+        if gate is not None:
+            assert gate.wait(60)
+        write(name, thread)
+        app.send_task("atomic.notify", args=[name, thread])
+        if len(runs("atomic.cut_reclaimed")) == 1:
+            end_session(router.db_for_write(Report))
+        return f"reclaimed by {thread}"
 
     @app.task(name="atomic.cut_last_strict", bind=True, shared=False, max_retries=0)
     def cut_last_strict(self: Any, name: str) -> str:
@@ -920,3 +935,214 @@ def test_atomic_settle_lost__the_uncommitted_attempt_is_no_success(
     finally:
         signals.task_success.disconnect(record)
     assert succeeded == ["cut last by MainThread"]
+
+
+# -- copies of a job whose atomic body was lost: redelivery, re-send, reclaimer ----------------
+COPY_ORDERS = [
+    "original-resend-reclaimed",
+    "resend-original-reclaimed",
+    "reclaimed-resend-original",
+]
+
+
+@pytest.mark.parametrize("order", COPY_ORDERS)
+def test_atomic_settle_lost__every_copy_of_the_job__its_effect_commits_once(
+    broker: Broker, lease_db: str, order: str
+) -> None:
+    """The settle meets the ended session: the grant is ended unreleased and the job sent
+    again with the same retry count. The original message is delivered again too (a
+    visibility timeout, a requeue) and the reclaimer sends the expired grant's job: in
+    any order, the body commits once, its child is sent once, its SUCCESS recorded once,
+    the later copies are skipped, and no outbox row is left to send it again."""
+    _needs_sessions(lease_db)
+    from celery_fenced.reclaim import reclaim_expired
+
+    app = broker.app
+    result = app.send_task("atomic.cut_reclaimed", args=["inv-1"])
+    original = broker.one("atomic.cut_reclaimed")
+    deliver(app, original)
+    (_, resent) = broker.sent("atomic.cut_reclaimed")
+    assert resent[0]["id"] == result.id
+    assert resent[1][2].get("retries", resent[0].get("retries")) == original[0].get("retries")
+    reclaim_expired(app, grace=0, using=lease_db)
+    copies = {"original": original, "resend": resent}
+    sent = broker.sent("atomic.cut_reclaimed")
+    assert len(sent) == 3, sent
+    copies["reclaimed"] = sent[2]
+    assert PendingJob.objects.using(lease_db).filter(task_id=result.id).count() == 1
+    for name in order.split("-"):
+        if name in copies:
+            deliver(app, copies[name])
+    assert runs("atomic.cut_reclaimed") == ["inv-1", "inv-1"]
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.notify")) == 1
+    assert status(lease_db, result.id) == (states.SUCCESS, '"reclaimed by MainThread"')
+    assert not PendingJob.objects.using(lease_db).filter(task_id=result.id).exists()
+    lease = Lease.objects.using(lease_db).get(key="charge:inv-1")
+    assert (lease.released_at is not None, lease.release_state) == (True, states.SUCCESS)
+    # a sweep now sends nothing
+    before = len(broker.sent("atomic.cut_reclaimed"))
+    reclaim_expired(app, grace=0, using=lease_db)
+    assert len(broker.sent("atomic.cut_reclaimed")) == before
+
+
+def test_atomic_settle_lost__another_job_took_the_key__the_job_ends_with_stale_token(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settle meets the ended session; while the database is away the grant expires
+    and ANOTHER job of the same key (another task id) takes it and succeeds. Nothing of
+    this job committed and it is not sent again: as for any stale execution (R2) its
+    outcome must be recorded as FAILURE(StaleToken), its errback sent once — not left
+    PENDING for ever with nothing pending, granted or running to end it."""
+    _needs_sessions(lease_db)
+    from celery_fenced.backend_fenced import FencedWrites
+    from celery_fenced.exceptions import StaleToken
+
+    real = FencedWrites._after_body_lost
+    app = broker.app
+
+    def taken_over(self: Any, task_id: str, request: Any, lease: Any, exc: Exception) -> bool:
+        expire(lease_db, Lease.objects.using(lease_db).get(key="charge:inv-1"))
+        other = app.send_task("atomic.cut_last", args=["inv-1"])
+        Execution(app, broker.sent("atomic.cut_last")[-1], "B").finish()
+        assert status(lease_db, other.id) == (states.SUCCESS, '"cut last by B"')
+        return real(self, task_id, request, lease, exc)
+
+    monkeypatch.setattr(FencedWrites, "_after_body_lost", taken_over)
+    step = app.signature("atomic.cut_last", args=["inv-1"])
+    step.link_error(app.signature("atomic.errback", immutable=True))
+    result = step.apply_async()
+    deliver(app, broker.sent("atomic.cut_last")[0])
+    assert len(broker.sent("atomic.cut_last")) == 2  # the first and the other job: no re-send
+    assert report(lease_db) == ("B;", "B")
+    row = TaskResult.objects.using(lease_db).filter(task_id=result.id).first()
+    assert row is not None  # not left PENDING
+    assert row.status == states.FAILURE
+    assert isinstance(app.AsyncResult(result.id).result, StaleToken)
+    assert len(runs("atomic.errback")) + len(broker.sent("atomic.errback")) == 1
+
+
+@pytest.mark.parametrize("other", ["same job", "another job"])
+def test_atomic_body_cannot_begin__key_taken_over_meanwhile__nothing_over_its_outcome(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch, other: str
+) -> None:
+    """The database fails as the body's transaction opens; while it is away the grant
+    expires and another execution takes the key and succeeds. LeaseLost: no body runs,
+    nothing is sent again, and nothing is recorded over the other execution's outcome —
+    the same job's SUCCESS stands; a job of another task id ends as FAILURE(StaleToken)
+    (R2), its errback sent once."""
+    _needs_sessions(lease_db)
+    from celery_fenced.exceptions import LeaseLost, StaleToken
+
+    app = broker.app
+    real_bound = atomic._bound
+    ended: list[str] = []
+    message: list[Any] = []
+
+    def taken_over(alias: str, ttl: float) -> Any:
+        if not ended:
+            ended.append(alias)
+            end_session(alias)  # its locks go with it
+
+            def expired() -> None:
+                try:
+                    expire(alias, Lease.objects.using(alias).get(key="charge:inv-1"))
+                    if other == "another job":
+                        app.send_task("atomic.charge", args=["inv-1"])
+                finally:
+                    connections.close_all()
+
+            side = threading.Thread(target=expired)
+            side.start()
+            side.join(30)
+            if other == "same job":
+                Execution(app, message[0], "B").finish()
+            else:
+                Execution(app, broker.sent("atomic.charge")[-1], "B").finish()
+        return real_bound(alias, ttl)
+
+    monkeypatch.setattr(atomic, "_bound", taken_over)
+    step = app.signature("atomic.charge", args=["inv-1"])
+    step.link_error(app.signature("atomic.errback", immutable=True))
+    result = step.apply_async()
+    message.append(broker.one("atomic.charge"))
+    traced = deliver(app, message[0])
+    assert ended
+    raised = traced.retval.exception
+    raised = getattr(raised, "exc", raised)  # Celery's ExceptionWithTraceback
+    assert isinstance(raised, LeaseLost), raised  # a failure: the message is acknowledged
+    assert runs("atomic.charge") == ["inv-1"]  # B's only
+    assert report(lease_db) == ("B;", "B")
+    assert len(broker.sent("atomic.charge")) == (1 if other == "same job" else 2)
+    if other == "same job":
+        assert status(lease_db, result.id) == (states.SUCCESS, '"charged by B"')
+        assert broker.sent("atomic.errback") == []
+        assert runs("atomic.errback") == []
+    else:
+        assert status(lease_db, result.id)[0] == states.FAILURE
+        assert isinstance(app.AsyncResult(result.id).result, StaleToken)
+        assert len(runs("atomic.errback")) + len(broker.sent("atomic.errback")) == 1
+    assert len(broker.sent("atomic.notify")) == 1
+
+
+@pytest.mark.parametrize("away", ["broker", "database"])
+def test_atomic_settle_lost__resend_not_published__the_job_is_not_lost_nor_failed(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch, away: str
+) -> None:
+    """The settle meets the ended session; the re-send then cannot be published (the
+    broker refuses it), or its outbox row cannot be written (the database away again):
+    the job is neither lost nor recorded FAILURE (no errback); it runs once later."""
+    _needs_sessions(lease_db)
+    from kombu.exceptions import OperationalError as BrokerDown
+
+    from celery_fenced import outages, store
+    from celery_fenced.outbox import resend_pending
+
+    app = broker.app
+    amqp = app.amqp
+    real_send, real_record = amqp.send_task_message, store.record_pending
+
+    def broker_down(producer: Any, name: str, message: Any, **kwargs: Any) -> Any:
+        if name == "atomic.cut_last" and runs("atomic.cut_last"):
+            raise BrokerDown("the broker is away")
+        return real_send(producer, name, message, **kwargs)
+
+    def database_away(alias: str, pending: Any) -> Any:
+        if pending.task_name == "atomic.cut_last" and runs("atomic.cut_last"):
+            raise OperationalError("the database is away again")
+        return real_record(alias, pending)
+
+    monkeypatch.setattr(outages, "PAUSES", (0.01,))
+    step = app.signature("atomic.cut_last", args=["inv-1"])
+    step.link_error(app.signature("atomic.errback", immutable=True))
+    result = step.apply_async()
+    if away == "broker":
+        monkeypatch.setattr(amqp, "send_task_message", broker_down)
+    else:
+        monkeypatch.setattr(store, "record_pending", database_away)
+    from celery.exceptions import Reject
+
+    original = broker.one("atomic.cut_last")
+    if away == "broker":
+        deliver(app, original)
+    else:  # out of the tracer: the pool's request rejects the message, requeued
+        with pytest.raises(Reject) as rejected:
+            deliver(app, original)
+        assert rejected.value.requeue
+    monkeypatch.setattr(amqp, "send_task_message", real_send)
+    monkeypatch.setattr(store, "record_pending", real_record)
+    assert runs("atomic.errback") == []
+    assert broker.sent("atomic.errback") == []
+    rows = TaskResult.objects.using(lease_db).filter(task_id=result.id)
+    assert not rows.filter(status=states.FAILURE).exists()
+    if away == "broker":  # its outbox row stands: the sweep sends it
+        PendingJob.objects.using(lease_db).update(
+            eta=dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+        )
+        resend_pending(app, using=lease_db)
+    assert len(broker.sent("atomic.cut_last")) == (2 if away == "broker" else 1)
+    again = broker.sent("atomic.cut_last")[-1]  # the sweep's copy, or the requeued one
+    deliver(app, again)
+    assert status(lease_db, result.id) == (states.SUCCESS, '"cut last by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert runs("atomic.errback") == []
