@@ -14,11 +14,13 @@ from django.db import (
     InterfaceError,
     OperationalError,
     connections,
+    models,
     router,
     transaction,
 )
 from django.db.models.functions import Now
 from django.db.transaction import TransactionManagementError
+from django.utils import timezone
 from django_celery_results.backends.database import DatabaseBackend
 
 from celery_fenced import atomic, context, outbox, store, workflow
@@ -228,14 +230,9 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         fields = self._row_fields(
             task_id, self.encode_result(result, status), status, None, request, meta
         )
-        model = self.TaskModel
-        row = model(task_id=task_id, **fields)
         kept = store.kept_connection(lease.alias, request)
         connection = kept if kept is not None else connections[lease.alias]
-        values = [
-            field.get_db_prep_save(field.pre_save(row, add=True), connection)
-            for field in map(model._meta.get_field, store.RESULT_COLUMNS)
-        ]
+        values = _result_values(self.TaskModel, {**fields, "task_id": task_id}, connection)
         ok, current = store.release_with_result(lease, status, values, connection=kept)
         if not ok:
             raise store.Refused(current)
@@ -389,6 +386,54 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             and meta.get("fencing_token") == lease.token
             and meta.get("lease_key") == lease.key
         )
+
+
+def _result_values(model: Any, fields: dict[str, Any], connection: Any) -> list[Any]:
+    """The values of a new ``model`` row with ``fields`` (the other columns their
+    defaults), in :data:`store.RESULT_COLUMNS` order, as its fields prepare them for
+    ``connection`` on a save (``auto_now`` and ``auto_now_add``: now, read once).
+
+    Text columns are what their field's ``to_python`` makes of them (``None``, or a
+    string); other columns go through the field itself. Without making the model
+    instance and preparing every field: what django-celery-results' row needs, on every
+    task's success.
+    """
+    now = None
+    values: list[Any] = []
+    for column, field, kind in _result_columns(model):
+        if kind == "now":
+            now = now or timezone.now()
+            value = now
+        else:
+            value = fields[column] if column in fields else field.get_default()
+        if kind == "text":
+            values.append(value if value is None or isinstance(value, str) else str(value))
+        else:
+            values.append(field.get_db_prep_save(value, connection))
+    return values
+
+
+_COLUMNS: dict[Any, list[tuple[str, Any, str]]] = {}
+
+
+def _result_columns(model: Any) -> list[tuple[str, Any, str]]:
+    """``(column, field, kind)`` of each result column of ``model``: kind ``"now"`` (an
+    ``auto_now`` or ``auto_now_add`` date), ``"text"`` (a ``CharField`` or ``TextField``
+    of Django's own) or ``"field"`` (prepared by the field)."""
+    found = _COLUMNS.get(model)
+    if found is None:
+        found = []
+        for column in store.RESULT_COLUMNS:
+            field = model._meta.get_field(column)
+            if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
+                kind = "now"
+            elif type(field) in (models.CharField, models.TextField):
+                kind = "text"
+            else:
+                kind = "field"
+            found.append((column, field, kind))
+        _COLUMNS[model] = found
+    return found
 
 
 def _refused_under(outcome: Any, lease: HeldLease) -> bool:
