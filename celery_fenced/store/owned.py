@@ -173,11 +173,17 @@ def _alive(thread: weakref.ref[threading.Thread]) -> bool:
 
 
 def _spent(wrapper: BaseDatabaseWrapper) -> bool:
-    """Idle too long, ended by the server, unusable after an error, or past a positive
-    ``CONN_MAX_AGE``."""
+    """Idle too long, ended by the server, broken, unusable after an error, or past a
+    positive ``CONN_MAX_AGE``."""
     if time.monotonic() - _used.get(wrapper, 0.0) > IDLE_REPLACED_AFTER:
         return True
-    if wrapper.errors_occurred or _has_input(wrapper.connection.fileno()):
+    raw = wrapper.connection
+    if raw.closed or getattr(raw, "broken", False):
+        # psycopg saw the session end outside Django's cursor (an exception that is no
+        # database error, a time limit's, interrupted a statement): Django never marked
+        # it, and its socket is gone
+        return True
+    if wrapper.errors_occurred or _has_input(raw.fileno()):
         # idle between statements, the server sends nothing unless it ends the session
         wrapper.errors_occurred = False
         if not wrapper.is_usable():

@@ -113,6 +113,33 @@ def test_session_ended_while_idle__replaced_before_the_next_grant(broker: Broker
     assert backend_pid(kept) != pid
 
 
+def test_session_lost_outside_djangos_wrapper__replaced_before_the_next_grant(
+    broker: Broker, pg: str
+) -> None:
+    """The kept session ended and psycopg saw it outside Django's cursor (an exception
+    that interrupted the statement, a time limit's, is no database error, so Django
+    does not mark the connection): psycopg's connection is broken and its socket gone.
+    The next execution must open a new session, not fail on the broken one — every
+    fenced task of the process failed with psycopg's "the connection is lost"."""
+    import psycopg
+
+    run_one(broker, "a")
+    kept = store.kept_connection(pg, DELIVERED)
+    assert kept is not None
+    pid = backend_pid(kept)
+    with side_connection(pg) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    assert eventually(lambda: session_ended(pg, pid))
+    with pytest.raises(psycopg.OperationalError):
+        kept.connection.execute("SELECT 1")  # psycopg's own: Django never hears of it
+    assert kept.connection.broken
+    assert not kept.errors_occurred
+    task_id = run_one(broker, "b")
+    assert status(pg, task_id) == (states.SUCCESS, '"b@1"')
+    assert len(broker.sent("seams.step")) == 2  # nothing sent again
+    assert backend_pid(kept) != pid
+
+
 def test_not_kept__off_eager_in_a_transaction_or_sqlite(
     broker: Broker, lease_db: str, settings: Any
 ) -> None:

@@ -160,13 +160,13 @@ def fetch(
     raw = _session(connection, prepare=prepare)
     if raw is None:
         return None
-    kept = connection.__dict__.get(_KEPT)
-    if kept is None or kept[0] is not raw or kept[1] is not prepare:
-        kept = (raw, prepare, _PreparingCursor(raw) if prepare else raw.cursor())
-        connection.__dict__[_KEPT] = kept
     connection.validate_thread_sharing()
     connection.validate_no_broken_transaction()
-    with connection.wrap_database_errors:
+    with connection.wrap_database_errors:  # psycopg's errors as Django's, a cursor's too
+        kept = connection.__dict__.get(_KEPT)
+        if kept is None or kept[0] is not raw or kept[1] is not prepare:
+            kept = (raw, prepare, _PreparingCursor(raw) if prepare else raw.cursor())
+            connection.__dict__[_KEPT] = kept
         found = kept[2]
         found.execute(sql, params)
         return found.fetchall()
