@@ -27,6 +27,7 @@ together, or nothing does:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -133,11 +134,27 @@ class BodyTransaction:
         self.committed = True
 
     def rollback(self) -> None:
-        """Roll it back (nothing of it commits); a connection the server ended is closed."""
+        """Roll it back (nothing of it commits); a connection the server ended is closed.
+
+        The database away does not make it raise: leaving the transaction on a session
+        the server ended, Django drops the connection and opens a new one to restore
+        autocommit, which a restarting database refuses; the server ended the
+        transaction with the session all the same.
+        """
         if not self.open:
             return
         transaction.set_rollback(True, using=self.alias)
-        self._end(None)
+        try:
+            self._end(None)
+        except (OperationalError, InterfaceError):
+            logger.info(
+                "the atomic body of %r (token %s) ended with its session",
+                self.lease.key,
+                self.lease.token,
+                exc_info=True,
+            )
+            with contextlib.suppress(DatabaseError, InterfaceError):
+                connections[self.alias].close()
 
     def _end(self, _: None) -> None:
         self.open = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -461,6 +462,44 @@ def test_atomic_body_whose_session_dies__autoretry_sends_its_retry_after_the_rol
     assert status(lease_db, result.id)[0] == states.RETRY
     assert report(lease_db) == ("", "")
     assert Lease.objects.using(lease_db).get(key="charge:inv-1").released_at is not None
+
+
+def test_atomic_body_whose_session_dies_while_the_database_restarts__retry_still_sent(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, while the database is still restarting: the rollback finds the session
+    gone, Django drops the connection and, leaving the transaction, opens a new one to
+    restore autocommit — refused ("the database system is shutting down"). The body's
+    transaction is over all the same (the server ended it): the retry is sent once the
+    database is back, not the job ended as a FAILURE with the connect error."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
+    connection = connections[lease_db]
+    real_connect, real_end = connection.get_new_connection, end_session
+    ended: list[str] = []
+    refused: list[bool] = []
+
+    def ending(alias: str) -> None:
+        real_end(alias)
+        ended.append(alias)
+
+    def shutting_down(params: Any) -> Any:
+        if ended and not refused:  # the first new connection after the session ended
+            refused.append(True)
+            raise connection.Database.OperationalError(
+                "connection failed: FATAL:  the database system is shutting down"
+            )
+        return real_connect(params)
+
+    monkeypatch.setattr(sys.modules[__name__], "end_session", ending)
+    monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+    result = broker.app.send_task("atomic.cut", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.cut"))
+    assert refused
+    sent = broker.sent("atomic.cut")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    assert report(lease_db) == ("", "")
 
 
 def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
