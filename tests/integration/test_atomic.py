@@ -51,6 +51,7 @@ FENCED_TASKS = {
     "atomic.proven": {"ttl": 2, "key": "charge:{name}", "atomic": True},
     "atomic.cut": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_last": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.cut_after_send": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_last_strict": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_then_fail": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_reclaimed": {"ttl": 30, "key": "charge:{name}", "atomic": True, "reclaim": True},
@@ -139,6 +140,27 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         end_session(router.db_for_write(Report))
         write(name, thread)  # the session is gone: OperationalError
         return f"cut by {thread}"
+
+    @app.task(
+        name="atomic.cut_after_send",
+        bind=True,
+        shared=False,
+        autoretry_for=(OperationalError, InterfaceError),
+        retry_kwargs={"countdown": 60, "max_retries": 3},
+    )
+    def cut_after_send(self: Any, name: str) -> str:
+        """Its first run writes and publishes its child inside a savepoint of its body,
+        then its session is ended under it (``autoretry_for`` asks for a retry); later
+        runs write and publish their child."""
+        thread = threading.current_thread().name
+        RUNS.append(("atomic.cut_after_send", name, thread))
+        with transaction.atomic(using=router.db_for_write(Report)):
+            write(name, thread)
+            app.send_task("atomic.notify", args=[name, thread])
+            if len(runs("atomic.cut_after_send")) == 1:
+                end_session(router.db_for_write(Report))
+                write(name, thread)  # the session is gone: OperationalError
+        return f"sent by {thread}"
 
     @app.task(name="atomic.cut_last", bind=True, shared=False)
     def cut_last(self: Any, name: str) -> str:
@@ -500,6 +522,61 @@ def test_atomic_body_whose_session_dies_while_the_database_restarts__retry_still
     assert [message[0]["id"] for message in sent] == [result.id, result.id]
     assert status(lease_db, result.id)[0] == states.RETRY
     assert report(lease_db) == ("", "")
+
+
+def test_atomic_body_whose_session_dies_while_the_database_restarts__next_task_on_the_thread_works(
+    broker: Broker, lease_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the rollback's refused reconnect was swallowed, the thread's connection is
+    left fit for the next task: no transaction, savepoint or rollback mark left over, back
+    in autocommit once it reconnects, and the child the rolled-back body published (a
+    commit hook of its transaction, a savepoint's) never sent; the retry runs on the same
+    thread, commits once and sends its own child once."""
+    if connections[lease_db].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
+    connection = connections[lease_db]
+    real_connect, real_end = connection.get_new_connection, end_session
+    ended: list[str] = []
+    refused: list[bool] = []
+
+    def ending(alias: str) -> None:
+        real_end(alias)
+        ended.append(alias)
+
+    def shutting_down(params: Any) -> Any:
+        if ended and not refused:
+            refused.append(True)
+            raise connection.Database.OperationalError(
+                "connection failed: FATAL:  the database system is shutting down"
+            )
+        return real_connect(params)
+
+    monkeypatch.setattr(sys.modules[__name__], "end_session", ending)
+    monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+    result = broker.app.send_task("atomic.cut_after_send", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.cut_after_send"))
+    assert refused
+    assert not connection.in_atomic_block
+    assert not connection.needs_rollback
+    assert not connection.closed_in_transaction
+    assert connection.savepoint_ids == []
+    assert connection.atomic_blocks == []
+    assert connection.run_on_commit == []
+    assert atomic._open_bodies() == []
+    assert connection.get_autocommit()
+    sent = broker.sent("atomic.cut_after_send")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    assert broker.sent("atomic.notify") == []  # the rolled-back body's child
+    assert report(lease_db) == ("", "")
+    deliver(broker.app, sent[1])  # the retry, on the same thread
+    assert status(lease_db, result.id) == (states.SUCCESS, '"sent by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.notify")) == 1
+    assert PendingJob.objects.using(lease_db).filter(task_name="atomic.notify").count() <= 1
+    assert not connection.in_atomic_block
+    assert connection.get_autocommit()
+    assert len(broker.sent("atomic.cut_after_send")) == 2
 
 
 def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from celery import Celery, chain, chord, signals
 from celery.app.trace import build_tracer
-from django.db import connections
+from django.db import OperationalError, connections
 from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced import FencedTask, StaleToken, fenced_update
@@ -953,6 +953,41 @@ def test_connection_lost_before_a_retry__the_retry_is_sent_not_a_failure(
     assert (first["retries"], again["retries"]) == (0, 1)
     lease = Lease.objects.using(lease_db).get(task_id="retrying-8")
     assert lease.released_at is not None  # the retry ended this grant; the next run takes one
+
+
+def test_connection_lost_seen_by_the_body__its_autoretry_is_sent_not_a_failure(
+    broker: Broker, lease_db: str
+) -> None:
+    """As above, but the body's own query met the ended session (as ``autoretry_for``
+    sees it): psycopg marked the connection lost, its transaction status unknown, and
+    Django keeps it. The guard's transaction must not be opened on it — setting
+    autocommit there is psycopg's ProgrammingError ("can't change 'autocommit' now"),
+    no outage to wait through: the job ended as a FAILURE, its retry lost."""
+    if lease_db != "postgres":
+        pytest.skip("terminates a PostgreSQL backend")
+    app = broker.app
+    task = app.tasks["seams.retrying"]
+    original = task.run
+
+    def run(report_id: int) -> str:
+        terminate_connection(lease_db)  # the database restarted under the body
+        try:
+            Report.objects.using(lease_db).exists()
+        except OperationalError as exc:  # what autoretry_for=(OperationalError,) does
+            raise task.retry(exc=exc, countdown=3600) from exc
+        raise AssertionError("the session was not ended")
+
+    task.run = run
+    try:
+        app.signature("seams.retrying", (9,)).apply_async(task_id="retrying-9")
+        deliver(app, broker.sent("seams.retrying")[0])
+    finally:
+        task.run = original
+    assert status(lease_db, "retrying-9")[0] == "RETRY"
+    (first, _), (again, _) = broker.sent("seams.retrying")
+    assert (first["retries"], again["retries"]) == (0, 1)
+    lease = Lease.objects.using(lease_db).get(task_id="retrying-9")
+    assert lease.released_at is not None
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept connection", "Django's"])
