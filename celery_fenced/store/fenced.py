@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from django.db import connections, transaction
+from django.db import InterfaceError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from celery_fenced import signals
@@ -101,6 +101,7 @@ def fenced_transaction(
     """
     alias = database_alias(using)
     in_body = _in_atomic_body_of(alias, key, token)
+    raised: list[BaseException] = []  # what the guarded block raised
     try:
         with transaction.atomic(using=alias):
             if in_body:
@@ -112,8 +113,19 @@ def fenced_transaction(
             marker = open_guards.set((*open_guards.get(), (alias, key, token)))
             try:
                 yield
+            except BaseException as exc:
+                raised.append(exc)
+                raise
             finally:
                 open_guards.reset(marker)
+    except (OperationalError, InterfaceError) as exc:
+        if raised and exc is not raised[0]:
+            # leaving the transaction after the block raised, on a session the server
+            # ended: Django dropped the connection and reconnected to restore autocommit,
+            # which a restarting database refused. Nothing of the block committed (the
+            # server ended its transaction): the block's own exception stands.
+            raise raised[0]  # noqa: B904 - its context shows the refused reconnect
+        raise
     except Refused as refused:
         current = refused.current
         if lease is not None:

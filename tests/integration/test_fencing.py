@@ -381,3 +381,69 @@ def test_fenced_update__without_context_a_lease_found_lost_is_still_proven(alias
     finally:
         renewer().unregister(stale)
     assert rows(alias) == [("r0", "old", 0)]
+
+
+@db
+@pytest.mark.parametrize("raised", [ValueError, KeyboardInterrupt])
+def test_guard__left_by_an_exception_after_its_session_ended__the_exception_stands(
+    alias: str, monkeypatch: pytest.MonkeyPatch, raised: type[BaseException]
+) -> None:
+    """A guarded block raises (a retry, a time limit's exception) after the server ended
+    its session while the database restarts: leaving the transaction, Django drops the
+    dead connection and reconnects to restore autocommit, which the restarting server
+    refuses. The block's own exception must reach the caller, not that connect error:
+    nothing of the block committed (the server ended its transaction)."""
+    connection = connections[alias]
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
+    lease = acquire("report:1", ttl=30, using=alias)
+    real_connect = connection.get_new_connection
+    refused: list[bool] = []
+
+    def shutting_down(params: Any) -> Any:
+        if not refused:
+            refused.append(True)
+            raise connection.Database.OperationalError("the database system is shutting down")
+        return real_connect(params)
+
+    def guarded_block() -> None:
+        with lease.guard():
+            _end_this_session(alias)
+            monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+            raise raised("the block's own")
+
+    with pytest.raises(raised):
+        guarded_block()
+    assert refused
+    monkeypatch.setattr(connection, "get_new_connection", real_connect)
+    lease.release()
+
+
+def _end_this_session(alias: str) -> None:
+    """The server ends this thread's session on ``alias``; returns once it is gone."""
+    from tests.conftest import side_connection
+
+    connection = connections[alias]
+    mysql = connection.vendor == "mysql"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+        (session,) = cursor.fetchone()
+    admin = side_connection(alias)
+    try:
+        kill = "KILL %s" if mysql else "SELECT pg_terminate_backend(%s)"
+        admin.cursor().execute(kill, [session])
+        gone = (
+            "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+            if mysql
+            else "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        )
+        deadline = time.monotonic() + 30
+        while True:  # the server ends the session a moment after it is asked to
+            cursor = admin.cursor()
+            cursor.execute(gone, [session])
+            if cursor.fetchone()[0] == 0:
+                return
+            assert time.monotonic() < deadline, "the session was never ended"
+            time.sleep(0.01)
+    finally:
+        admin.close()
