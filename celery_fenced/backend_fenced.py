@@ -151,9 +151,11 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         job runs again, not ends as a FAILURE.
 
         Once the database answers, a commit that did land (its answer lost with the
-        connection) is found by its release, and stands. Otherwise the task sends the job
-        again at once, under its grant proven, and records its RETRY, which releases the
-        grant. An eager run, or a task that is not fenced, raises ``exc``.
+        connection) is found by its release, and stands. Otherwise the task ends its
+        grant, if still current, and sends the job again at once with the same retry
+        count, its RETRY recorded (:meth:`Outcomes.send_again_after_lost_body`); when
+        another execution took the key over, this one's outcome is a stale one's
+        (:meth:`_refuse`). An eager run, or a task that is not fenced, raises ``exc``.
         """
         if self._through_outages(
             task_id, [lease.alias], lambda: self._settled_by(task_id, states.SUCCESS, lease)
@@ -167,7 +169,8 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             raise exc
         logger.warning(
             "task %s[%s]: the database failed before its atomic body committed (%s); "
-            "nothing of it was committed: the job is sent again",
+            "nothing of it was committed: the job runs again unless another execution "
+            "took its key",
             getattr(request, "task", None),
             task_id,
             exc,

@@ -584,7 +584,7 @@ def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
 ) -> None:
     """The body writes, publishes its child and returns; the database ends its session
     before the settle (a restart): the proof meets the ended session. Nothing of the body
-    committed, so the job is sent again under its grant (not ended as a FAILURE); the
+    committed, so its grant is ended and the job sent again (not ended as a FAILURE); the
     second delivery commits once."""
     if connections[lease_db].vendor == "sqlite":
         pytest.skip("SQLite has no session the server could end")
