@@ -195,9 +195,7 @@ class Outcomes(FencedOptions):
         if not ended:
             lease.mark_lost("the database failed around its atomic body", warn=False)
             return False
-        renewer().unregister(lease)
-        lease.forget()
-        carry(self.request, replace(state_of(self.request), lease=None))
+        self._forget_grant(lease)
         return True
 
     def _on_lost(self, lease: HeldLease, exc: LeaseLost | StaleToken) -> NoReturn:
@@ -227,12 +225,16 @@ class Outcomes(FencedOptions):
                 lease.token,
             )
 
-            renewer().unregister(lease)
-            lease.forget()
-            # the RETRY state is written untokened
-            carry(self.request, replace(state_of(self.request), lease=None))
+            self._forget_grant(lease)  # the RETRY state is written untokened
             self._retry_unlimited(exc, 0)
         raise exc
+
+    def _forget_grant(self, lease: HeldLease) -> None:
+        """This execution holds ``lease`` no more (its grant ended elsewhere): not
+        renewed, forgotten, and not on the request (what it records is untokened)."""
+        renewer().unregister(lease)
+        lease.forget()
+        carry(self.request, replace(state_of(self.request), lease=None))
 
     def _on_busy(self, busy: LeaseBusy, policy: str) -> NoReturn:
         logger.info(
