@@ -365,3 +365,49 @@ def terminate_connection(alias: str) -> None:
             admin.execute(
                 "SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid]
             )
+
+
+def end_session(alias: str) -> None:
+    """The database server ends this thread's session on ``alias`` (as a restart would),
+    from a connection of its own; returns once the session is gone."""
+    import time
+
+    mysql = connections[alias].vendor == "mysql"
+    with connections[alias].cursor() as cursor:
+        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
+        (session,) = cursor.fetchone()
+    admin = side_connection(alias)
+    try:
+        cursor = admin.cursor()
+        if mysql:
+            cursor.execute("KILL %s", [session])
+            gone = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
+        else:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [session])
+            gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+        deadline = time.monotonic() + 30
+        while True:  # the server ends the session a moment after it is asked to
+            cursor.execute(gone, [session])
+            if cursor.fetchone()[0] == 0:
+                return
+            assert time.monotonic() < deadline, f"session {session} was never ended"
+            time.sleep(0.01)
+    finally:
+        admin.close()
+
+
+def refuse_one_reconnect(monkeypatch: Any, alias: str, refused: list[bool]) -> None:
+    """The next new connection to ``alias`` is refused once, as a restarting database
+    refuses it ("the database system is shutting down"); ``refused`` records it."""
+    connection = connections[alias]
+    real_connect = connection.get_new_connection
+
+    def shutting_down(params: Any) -> Any:
+        if not refused:
+            refused.append(True)
+            raise connection.Database.OperationalError(
+                "connection failed: FATAL:  the database system is shutting down"
+            )
+        return real_connect(params)
+
+    monkeypatch.setattr(connection, "get_new_connection", shutting_down)

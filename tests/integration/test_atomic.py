@@ -27,7 +27,7 @@ from django_celery_results.models import TaskResult
 from celery_fenced import atomic, current_lease, fenced_update, hooks
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from testproject.demo.models import Report
-from tests.conftest import WITH_MARIADB, side_connection
+from tests.conftest import WITH_MARIADB, end_session, refuse_one_reconnect
 from tests.integration.test_seams import (
     GATES,
     RUNS,
@@ -238,30 +238,39 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
     return app
 
 
-def end_session(alias: str) -> None:
-    """The database server ends this thread's session on ``alias`` (as a restart would),
-    from a connection of its own; returns once the session is gone."""
-    mysql = connections[alias].vendor == "mysql"
-    with connections[alias].cursor() as cursor:
-        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
-        (session,) = cursor.fetchone()
-    admin = side_connection(alias)
-    try:
-        cursor = admin.cursor()
-        if mysql:
-            cursor.execute("KILL %s", [session])
-            gone = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
-        else:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [session])
-            gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+def reconnect_refused_once_the_session_ends(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The first new connection after a task's ``end_session()`` is refused, as a
+    restarting database refuses it; the list returned records the refusal."""
+    refused: list[bool] = []
+    real_end = end_session
 
-        def ended() -> bool:
-            cursor.execute(gone, [session])
-            return cursor.fetchone()[0] == 0
+    def ending(alias: str) -> None:
+        real_end(alias)
+        refuse_one_reconnect(monkeypatch, alias, refused)
 
-        wait_for(ended, f"the server ending session {session}")
-    finally:
-        admin.close()
+    monkeypatch.setattr(sys.modules[__name__], "end_session", ending)
+    return refused
+
+
+def session_ended_as_the_body_begins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The server ends the session after the grant, as the body's transaction is opened
+    on it (the first time only); the list returned names the alias it happened on."""
+    real_bound = atomic._bound
+    ended: list[str] = []
+
+    def ended_first(alias: str, ttl: float) -> Any:
+        if not ended:
+            ended.append(alias)
+            end_session(alias)
+        return real_bound(alias, ttl)
+
+    monkeypatch.setattr(atomic, "_bound", ended_first)
+    return ended
+
+
+def _needs_sessions(alias: str) -> None:
+    if connections[alias].vendor == "sqlite":
+        pytest.skip("SQLite has no session the server could end")
 
 
 @pytest.fixture
@@ -475,8 +484,7 @@ def test_atomic_body_whose_session_dies__autoretry_sends_its_retry_after_the_rol
     writes are gone, and the retry ``autoretry_for`` asks for is sent once the body's
     transaction is rolled back, outside it — not tried on the dead connection, which
     ended the job as a FAILURE."""
-    if connections[lease_db].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
+    _needs_sessions(lease_db)
     result = broker.app.send_task("atomic.cut", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.cut"))
     sent = broker.sent("atomic.cut")
@@ -494,27 +502,8 @@ def test_atomic_body_whose_session_dies_while_the_database_restarts__retry_still
     restore autocommit — refused ("the database system is shutting down"). The body's
     transaction is over all the same (the server ended it): the retry is sent once the
     database is back, not the job ended as a FAILURE with the connect error."""
-    if connections[lease_db].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
-    connection = connections[lease_db]
-    real_connect, real_end = connection.get_new_connection, end_session
-    ended: list[str] = []
-    refused: list[bool] = []
-
-    def ending(alias: str) -> None:
-        real_end(alias)
-        ended.append(alias)
-
-    def shutting_down(params: Any) -> Any:
-        if ended and not refused:  # the first new connection after the session ended
-            refused.append(True)
-            raise connection.Database.OperationalError(
-                "connection failed: FATAL:  the database system is shutting down"
-            )
-        return real_connect(params)
-
-    monkeypatch.setattr(sys.modules[__name__], "end_session", ending)
-    monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+    _needs_sessions(lease_db)
+    refused = reconnect_refused_once_the_session_ends(monkeypatch)
     result = broker.app.send_task("atomic.cut", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.cut"))
     assert refused
@@ -532,27 +521,9 @@ def test_atomic_body_whose_session_dies_while_the_database_restarts__next_task_o
     in autocommit once it reconnects, and the child the rolled-back body published (a
     commit hook of its transaction, a savepoint's) never sent; the retry runs on the same
     thread, commits once and sends its own child once."""
-    if connections[lease_db].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
+    _needs_sessions(lease_db)
     connection = connections[lease_db]
-    real_connect, real_end = connection.get_new_connection, end_session
-    ended: list[str] = []
-    refused: list[bool] = []
-
-    def ending(alias: str) -> None:
-        real_end(alias)
-        ended.append(alias)
-
-    def shutting_down(params: Any) -> Any:
-        if ended and not refused:
-            refused.append(True)
-            raise connection.Database.OperationalError(
-                "connection failed: FATAL:  the database system is shutting down"
-            )
-        return real_connect(params)
-
-    monkeypatch.setattr(sys.modules[__name__], "end_session", ending)
-    monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+    refused = reconnect_refused_once_the_session_ends(monkeypatch)
     result = broker.app.send_task("atomic.cut_after_send", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.cut_after_send"))
     assert refused
@@ -586,8 +557,7 @@ def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
     before the settle (a restart): the proof meets the ended session. Nothing of the body
     committed, so its grant is ended and the job sent again (not ended as a FAILURE); the
     second delivery commits once."""
-    if connections[lease_db].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
+    _needs_sessions(lease_db)
     result = broker.app.send_task("atomic.cut_last", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.cut_last"))
     sent = broker.sent("atomic.cut_last")
@@ -610,18 +580,8 @@ def test_atomic_body_whose_transaction_cannot_begin__job_sent_again_not_failed(
     is opened on it (a restart between the two). No body ran: the job is sent again, as
     after a database error before the grant (``autoretry_for`` covers only the body),
     with its grant released as RETRY."""
-    if connections[lease_db].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
-    real = atomic._bound
-    ended: list[str] = []
-
-    def ended_first(alias: str, ttl: float) -> Any:
-        if not ended:
-            ended.append(alias)
-            end_session(alias)
-        return real(alias, ttl)
-
-    monkeypatch.setattr(atomic, "_bound", ended_first)
+    _needs_sessions(lease_db)
+    ended = session_ended_as_the_body_begins(monkeypatch)
     result = broker.app.send_task("atomic.charge", args=["inv-1"])
     deliver(broker.app, broker.one("atomic.charge"))
     assert ended == [lease_db]
@@ -802,11 +762,6 @@ def test_atomic_body_whose_commit_answer_is_lost__its_success_stands(
 
 
 # -- a database lost around an atomic body: workflows, staleness, retries --------------------
-def _needs_sessions(alias: str) -> None:
-    if connections[alias].vendor == "sqlite":
-        pytest.skip("SQLite has no session the server could end")
-
-
 def test_atomic_chain_step_whose_settle_meets_a_dead_session__successors_fire_once(
     broker: Broker, lease_db: str
 ) -> None:
@@ -997,14 +952,7 @@ def test_atomic_body_cannot_begin_and_resend_cannot_be_published__grant_not_kept
 
     from celery_fenced.renewal import renewer
 
-    real_bound = atomic._bound
-    ended: list[str] = []
-
-    def ended_first(alias: str, ttl: float) -> Any:
-        if not ended:
-            ended.append(alias)
-            end_session(alias)
-        return real_bound(alias, ttl)
+    ended = session_ended_as_the_body_begins(monkeypatch)
 
     amqp = broker.app.amqp
     real_send = amqp.send_task_message
@@ -1014,7 +962,6 @@ def test_atomic_body_cannot_begin_and_resend_cannot_be_published__grant_not_kept
             raise BrokerDown("the broker is away")
         return real_send(producer, name, message, **kwargs)
 
-    monkeypatch.setattr(atomic, "_bound", ended_first)
     broker.app.send_task("atomic.charge", args=["inv-1"])
     monkeypatch.setattr(amqp, "send_task_message", broker_down)
     deliver(broker.app, broker.one("atomic.charge"))  # rejected, requeued

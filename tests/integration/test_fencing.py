@@ -17,7 +17,7 @@ from celery_fenced.models import Lease, LeaseEvent
 from celery_fenced.renewal import renewer
 from celery_fenced.store import HeldLease
 from testproject.demo.models import Report
-from tests.conftest import WITH_MARIADB
+from tests.conftest import WITH_MARIADB, end_session, refuse_one_reconnect
 from tests.tracing import fenced_app, trace
 
 db = pytest.mark.django_db(transaction=True, databases=WITH_MARIADB)
@@ -397,53 +397,16 @@ def test_guard__left_by_an_exception_after_its_session_ended__the_exception_stan
     if connection.vendor == "sqlite":
         pytest.skip("SQLite has no session the server could end")
     lease = acquire("report:1", ttl=30, using=alias)
-    real_connect = connection.get_new_connection
     refused: list[bool] = []
-
-    def shutting_down(params: Any) -> Any:
-        if not refused:
-            refused.append(True)
-            raise connection.Database.OperationalError("the database system is shutting down")
-        return real_connect(params)
 
     def guarded_block() -> None:
         with lease.guard():
-            _end_this_session(alias)
-            monkeypatch.setattr(connection, "get_new_connection", shutting_down)
+            end_session(alias)
+            refuse_one_reconnect(monkeypatch, alias, refused)
             raise raised("the block's own")
 
     with pytest.raises(raised):
         guarded_block()
     assert refused
-    monkeypatch.setattr(connection, "get_new_connection", real_connect)
+    monkeypatch.undo()
     lease.release()
-
-
-def _end_this_session(alias: str) -> None:
-    """The server ends this thread's session on ``alias``; returns once it is gone."""
-    from tests.conftest import side_connection
-
-    connection = connections[alias]
-    mysql = connection.vendor == "mysql"
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT CONNECTION_ID()" if mysql else "SELECT pg_backend_pid()")
-        (session,) = cursor.fetchone()
-    admin = side_connection(alias)
-    try:
-        kill = "KILL %s" if mysql else "SELECT pg_terminate_backend(%s)"
-        admin.cursor().execute(kill, [session])
-        gone = (
-            "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s"
-            if mysql
-            else "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-        )
-        deadline = time.monotonic() + 30
-        while True:  # the server ends the session a moment after it is asked to
-            cursor = admin.cursor()
-            cursor.execute(gone, [session])
-            if cursor.fetchone()[0] == 0:
-                return
-            assert time.monotonic() < deadline, "the session was never ended"
-            time.sleep(0.01)
-    finally:
-        admin.close()

@@ -76,6 +76,19 @@ def run_one(broker: Broker, value: str) -> str:
     return task_id
 
 
+def kept_session_ended(broker: Broker, pg: str) -> tuple[Any, int]:
+    """One execution opens this thread's kept session; the server then ends it (a
+    restart, a failover between tasks). The kept connection and its session's pid."""
+    run_one(broker, "a")
+    kept = store.kept_connection(pg, DELIVERED)
+    assert kept is not None
+    pid = backend_pid(kept)
+    with side_connection(pg) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    assert eventually(lambda: session_ended(pg, pid))
+    return kept, pid
+
+
 def test_grant_and_success__one_kept_session_across_tasks_none_on_djangos(
     broker: Broker, pg: str
 ) -> None:
@@ -100,13 +113,7 @@ def test_session_ended_while_idle__replaced_before_the_next_grant(broker: Broker
     """A restart or failover between tasks ends the kept session: the next execution
     sees it (its socket has something to read), opens a new one and runs at once, with
     no database-error retry of the job."""
-    run_one(broker, "a")
-    kept = store.kept_connection(pg, DELIVERED)
-    assert kept is not None
-    pid = backend_pid(kept)
-    with side_connection(pg) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
-    assert eventually(lambda: session_ended(pg, pid))
+    kept, pid = kept_session_ended(broker, pg)
     task_id = run_one(broker, "b")
     assert status(pg, task_id) == (states.SUCCESS, '"b@1"')
     assert len(broker.sent("seams.step")) == 2  # nothing sent again
@@ -123,13 +130,7 @@ def test_session_lost_outside_djangos_wrapper__replaced_before_the_next_grant(
     fenced task of the process failed with psycopg's "the connection is lost"."""
     import psycopg
 
-    run_one(broker, "a")
-    kept = store.kept_connection(pg, DELIVERED)
-    assert kept is not None
-    pid = backend_pid(kept)
-    with side_connection(pg) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
-    assert eventually(lambda: session_ended(pg, pid))
+    kept, pid = kept_session_ended(broker, pg)
     with pytest.raises(psycopg.OperationalError):
         kept.connection.execute("SELECT 1")  # psycopg's own: Django never hears of it
     assert kept.connection.broken

@@ -934,24 +934,34 @@ def test_connection_lost_before_a_retry__the_retry_is_sent_not_a_failure(
     for the database, not turn the job into a FAILURE (seen in the chaos runner)."""
     if lease_db != "postgres":
         pytest.skip("terminates a PostgreSQL backend")
-    app = broker.app
-    task = app.tasks["seams.retrying"]
-    original = task.run
 
-    def run(report_id: int) -> str:
+    def run(task: Any, report_id: int) -> str:
         terminate_connection(lease_db)  # the body saw the restart; it asks for a retry
         raise task.retry(countdown=3600)
 
-    task.run = run
+    retry_sent_after_a_restart(broker, lease_db, run, 8)
+
+
+def retry_sent_after_a_restart(
+    broker: Broker, lease_db: str, run: Callable[[Any, int], str], report_id: int
+) -> None:
+    """Deliver ``seams.retrying`` (its body ``run(task, report_id)``, which meets the
+    database's restart and asks for a retry): the retry is sent, RETRY recorded, and the
+    grant ended (the next run takes one)."""
+    app = broker.app
+    task = app.tasks["seams.retrying"]
+    original = task.run
+    task_id = f"retrying-{report_id}"
+    task.run = lambda report_id: run(task, report_id)
     try:
-        app.signature("seams.retrying", (8,)).apply_async(task_id="retrying-8")
+        app.signature("seams.retrying", (report_id,)).apply_async(task_id=task_id)
         deliver(app, broker.sent("seams.retrying")[0])
     finally:
         task.run = original
-    assert status(lease_db, "retrying-8")[0] == "RETRY"
+    assert status(lease_db, task_id)[0] == "RETRY"
     (first, _), (again, _) = broker.sent("seams.retrying")
     assert (first["retries"], again["retries"]) == (0, 1)
-    lease = Lease.objects.using(lease_db).get(task_id="retrying-8")
+    lease = Lease.objects.using(lease_db).get(task_id=task_id)
     assert lease.released_at is not None  # the retry ended this grant; the next run takes one
 
 
@@ -965,11 +975,8 @@ def test_connection_lost_seen_by_the_body__its_autoretry_is_sent_not_a_failure(
     no outage to wait through: the job ended as a FAILURE, its retry lost."""
     if lease_db != "postgres":
         pytest.skip("terminates a PostgreSQL backend")
-    app = broker.app
-    task = app.tasks["seams.retrying"]
-    original = task.run
 
-    def run(report_id: int) -> str:
+    def run(task: Any, report_id: int) -> str:
         terminate_connection(lease_db)  # the database restarted under the body
         try:
             Report.objects.using(lease_db).exists()
@@ -977,17 +984,7 @@ def test_connection_lost_seen_by_the_body__its_autoretry_is_sent_not_a_failure(
             raise task.retry(exc=exc, countdown=3600) from exc
         raise AssertionError("the session was not ended")
 
-    task.run = run
-    try:
-        app.signature("seams.retrying", (9,)).apply_async(task_id="retrying-9")
-        deliver(app, broker.sent("seams.retrying")[0])
-    finally:
-        task.run = original
-    assert status(lease_db, "retrying-9")[0] == "RETRY"
-    (first, _), (again, _) = broker.sent("seams.retrying")
-    assert (first["retries"], again["retries"]) == (0, 1)
-    lease = Lease.objects.using(lease_db).get(task_id="retrying-9")
-    assert lease.released_at is not None
+    retry_sent_after_a_restart(broker, lease_db, run, 9)
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept connection", "Django's"])
