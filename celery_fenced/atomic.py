@@ -286,9 +286,9 @@ _IDLE_ENDED_SQLSTATE = "25P03"
 _IDLE_ENDED_ERRNO = 4031
 
 
-def _session_ended(exc: BaseException, lease: HeldLease) -> bool:
-    """Whether ``exc`` says the body's session was ended under it: by the bound (idle
-    past the ttl: a paused worker), or lost while the grant lapsed with no successor."""
+def ended_by_the_bound(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server ended the session idle in a body's transaction
+    past its bound (PostgreSQL's SQLSTATE, MariaDB's error number, in its chain)."""
     seen: BaseException | None = exc
     while seen is not None:
         if getattr(seen, "sqlstate", None) == _IDLE_ENDED_SQLSTATE:
@@ -297,6 +297,14 @@ def _session_ended(exc: BaseException, lease: HeldLease) -> bool:
         if type(seen).__module__.startswith("MySQLdb") and args and args[0] == _IDLE_ENDED_ERRNO:
             return True
         seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _session_ended(exc: BaseException, lease: HeldLease) -> bool:
+    """Whether ``exc`` says the body's session was ended under it: by the bound (idle
+    past the ttl: a paused worker), or lost while the grant lapsed with no successor."""
+    if ended_by_the_bound(exc):
+        return True
     if not isinstance(exc, (OperationalError, InterfaceError)):
         return False
     try:  # the connection went away: a pause the bound has not named, say
@@ -382,4 +390,11 @@ def _quietly(step: Callable[[], None]) -> None:
         logger.info("closing an atomic body's transaction failed", exc_info=True)
 
 
-__all__ = ["BodyNotBegun", "BodyTransaction", "body_of", "close_leaked", "run_body"]
+__all__ = [
+    "BodyNotBegun",
+    "BodyTransaction",
+    "body_of",
+    "close_leaked",
+    "ended_by_the_bound",
+    "run_body",
+]

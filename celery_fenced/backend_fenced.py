@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from celery import states
 from celery.app.task import Context
@@ -125,16 +125,15 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             body.rollback()
             self._refuse(task_id, result, status, request, lease, refused.current)
             return False
-        except (OperationalError, InterfaceError) as exc:
+        except BaseException as exc:
             body.rollback()
-            return self._after_body_lost(task_id, request, lease, exc)
-        except BaseException:
-            body.rollback()
+            if _lost_with_its_session(exc):
+                return self._after_body_lost(task_id, request, lease, exc)
             raise
         try:
             body.commit()
-        except (OperationalError, InterfaceError) as exc:
-            if body.committed:
+        except Exception as exc:
+            if body.committed or not _lost_with_its_session(exc):
                 raise
             return self._after_body_lost(task_id, request, lease, exc)
         finally:
@@ -389,6 +388,13 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             and meta.get("fencing_token") == lease.token
             and meta.get("lease_key") == lease.key
         )
+
+
+def _lost_with_its_session(exc: BaseException) -> TypeGuard[Exception]:
+    """Whether ``exc`` took an atomic body's transaction with its session: the database
+    away (a restart, a lost link, a deadlock), or the server ending the session idle in
+    it past its bound (a worker paused between the body's return and the settle)."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or atomic.ended_by_the_bound(exc)
 
 
 def _result_values(model: Any, fields: dict[str, Any], connection: Any) -> list[Any]:

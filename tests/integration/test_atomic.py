@@ -27,7 +27,7 @@ from django_celery_results.models import TaskResult
 from celery_fenced import atomic, current_lease, fenced_update, hooks
 from celery_fenced.models import Lease, LeaseEvent, PendingJob
 from testproject.demo.models import Report
-from tests.conftest import WITH_MARIADB, end_session, refuse_one_reconnect
+from tests.conftest import WITH_MARIADB, end_session, refuse_one_reconnect, side_connection
 from tests.integration.test_seams import (
     GATES,
     RUNS,
@@ -51,6 +51,7 @@ FENCED_TASKS = {
     "atomic.proven": {"ttl": 2, "key": "charge:{name}", "atomic": True},
     "atomic.cut": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_last": {"ttl": 30, "key": "charge:{name}", "atomic": True},
+    "atomic.idle_last": {"ttl": 1, "key": "charge:{name}", "atomic": True},
     "atomic.cut_after_send": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_last_strict": {"ttl": 30, "key": "charge:{name}", "atomic": True},
     "atomic.cut_then_fail": {"ttl": 30, "key": "charge:{name}", "atomic": True},
@@ -173,6 +174,29 @@ def make_app(fenced_tasks: dict[str, Any] = FENCED_TASKS) -> Celery:
         if len(runs("atomic.cut_last")) == 1:
             end_session(router.db_for_write(Report))
         return f"cut last by {thread}"
+
+    @app.task(name="atomic.idle_last", bind=True, shared=False)
+    def idle_last(self: Any, name: str) -> str:
+        """Writes and publishes its child, then (its first run) idles in its transaction
+        until the server ends the session past its bound (the lease's ttl, 1 s): a worker
+        paused between the body's return and the settle."""
+        thread = threading.current_thread().name
+        RUNS.append(("atomic.idle_last", name, thread))
+        write(name, thread)
+        app.send_task("atomic.notify", args=[name, thread])
+        if len(runs("atomic.idle_last")) == 1:
+            alias = router.db_for_write(Report)
+            with connections[alias].cursor() as cursor:
+                cursor.execute("SELECT pg_backend_pid()")
+                (pid,) = cursor.fetchone()
+            with side_connection(alias) as admin:  # never a statement on the body's session
+
+                def ended() -> bool:
+                    found = admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid])
+                    return found.fetchone() is None
+
+                wait_for(ended, "the server ending the idle session", 30)
+        return f"idle last by {thread}"
 
     @app.task(name="atomic.cut_reclaimed", bind=True, shared=False)
     def cut_reclaimed(self: Any, name: str) -> str:
@@ -571,6 +595,28 @@ def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
     assert report(lease_db) == ("MainThread;", "MainThread")
     assert len(broker.sent("atomic.notify")) == 1
     assert len(broker.sent("atomic.cut_last")) == 2
+
+
+def test_atomic_body_idle_past_its_bound_before_the_settle__job_runs_again(
+    broker: Broker, lease_db: str
+) -> None:
+    """The body returns; its worker is paused before the settle, and the server ends the
+    session idle in the body's transaction past its bound (PostgreSQL's InternalError,
+    SQLSTATE 25P03, not an OperationalError). Nothing of the body committed: the job is
+    sent again, not ended as a FAILURE (seen in the chaos runner)."""
+    if connections[lease_db].vendor != "postgresql":
+        pytest.skip("waits for the server to end the session: PostgreSQL's view of it")
+    result = broker.app.send_task("atomic.idle_last", args=["inv-1"])
+    deliver(broker.app, broker.one("atomic.idle_last"))
+    sent = broker.sent("atomic.idle_last")
+    assert [message[0]["id"] for message in sent] == [result.id, result.id]
+    assert status(lease_db, result.id)[0] == states.RETRY
+    assert report(lease_db) == ("", "")
+    assert broker.sent("atomic.notify") == []
+    deliver(broker.app, sent[1])
+    assert status(lease_db, result.id) == (states.SUCCESS, '"idle last by MainThread"')
+    assert report(lease_db) == ("MainThread;", "MainThread")
+    assert len(broker.sent("atomic.notify")) == 1
 
 
 def test_atomic_body_whose_transaction_cannot_begin__job_sent_again_not_failed(
