@@ -20,6 +20,7 @@ import pytest
 from celery import Celery, chain, chord, signals
 from celery.app.trace import build_tracer
 from django.db import OperationalError, connections
+from django.db.models import F
 from django_celery_results.models import ChordCounter, TaskResult
 
 from celery_fenced import FencedTask, StaleToken, fenced_update
@@ -217,9 +218,13 @@ def granted(alias: str, task_id: str, token: int) -> Lease:
 
 
 def expire(alias: str, lease: Lease) -> None:
-    """The grant runs out by the database's clock (its holder is held at the gate)."""
+    """The grant runs out by the database's clock (its holder is held at the gate).
+
+    Copied in the database (``F``): on SQLite a time on a whole second, sent from Python,
+    is text without its fraction, which sorts before the stored ``acquired_at`` and
+    fails the expiry-order check."""
     Lease.objects.using(alias).filter(pk=lease.pk, token=lease.token).update(
-        expires_at=lease.acquired_at
+        expires_at=F("acquired_at")
     )
 
 
