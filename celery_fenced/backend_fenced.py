@@ -23,7 +23,7 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from django_celery_results.backends.database import DatabaseBackend
 
-from celery_fenced import atomic, context, outbox, store, workflow
+from celery_fenced import atomic, conf, context, outbox, store, workflow
 from celery_fenced.exceptions import StaleToken
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import add_meta, carry, state_of
@@ -270,6 +270,34 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             **self._get_extended_properties(request, traceback),
         }
 
+    def _get_extended_properties(self, request: Context | None, traceback: Any) -> dict[str, Any]:
+        """The result row's extended fields, as django-celery-results computes them, with
+        ``result_extended`` read once with the package's settings (kept until a setting
+        changes): its own lookup through Celery's configuration, on every result, cost
+        more than the rest of the row."""
+        found: dict[str, Any] = dict.fromkeys(_EXTENDED_FIELDS)
+        if not request or not conf.load(self.app).result_extended:
+            return found
+        task_args = getattr(request, "argsrepr", None)  # task protocol 2
+        if task_args is None:
+            task_args = getattr(request, "args", None)  # task protocol 1
+        task_kwargs = getattr(request, "kwargsrepr", None)
+        if task_kwargs is None:
+            task_kwargs = getattr(request, "kwargs", None)
+        if task_args is not None:
+            _, _, task_args = self.encode_content(task_args)
+        if task_kwargs is not None:
+            _, _, task_kwargs = self.encode_content(task_kwargs)
+        found.update(
+            periodic_task_name=getattr(request, "periodic_task_name", None),
+            task_args=task_args,
+            task_kwargs=task_kwargs,
+            task_name=getattr(request, "task", None),
+            traceback=traceback,
+            worker=getattr(request, "hostname", None),
+        )
+        return found
+
     def _write_row(
         self,
         task_id: str,
@@ -390,6 +418,17 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
         )
 
 
+#: the result row's fields django-celery-results fills only with ``result_extended``
+_EXTENDED_FIELDS = (
+    "periodic_task_name",
+    "task_args",
+    "task_kwargs",
+    "task_name",
+    "traceback",
+    "worker",
+)
+
+
 def _lost_with_its_session(exc: BaseException) -> TypeGuard[Exception]:
     """Whether ``exc`` took an atomic body's transaction with its session: the database
     away (a restart, a lost link, a deadlock), or the server ending the session idle in
@@ -408,13 +447,16 @@ def _result_values(model: Any, fields: dict[str, Any], connection: Any) -> list[
     task's success.
     """
     now = None
+    prepared_now: dict[type, Any] = {}  # now, as each class of date field prepares it
     values: list[Any] = []
     for column, field, kind in _result_columns(model):
         if kind == "now":
             now = now or timezone.now()
-            value = now
-        else:
-            value = fields[column] if column in fields else field.get_default()
+            if type(field) not in prepared_now:
+                prepared_now[type(field)] = field.get_db_prep_save(now, connection)
+            values.append(prepared_now[type(field)])
+            continue
+        value = fields[column] if column in fields else field.get_default()
         if kind == "text":
             values.append(value if value is None or isinstance(value, str) else str(value))
         else:

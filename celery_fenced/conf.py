@@ -66,6 +66,11 @@ class TaskOptions:
             object.__setattr__(self, "reclaim", self.key is None)
 
 
+#: the fields of :class:`FencedSettings` that are Celery's own settings, read with the
+#: ``fenced_*`` ones (no ``fenced_`` setting of that name)
+CELERYS_OWN = ("result_extended",)
+
+
 @dataclass(frozen=True)
 class FencedSettings:
     """The validated ``fenced_*`` settings (each field is the setting without ``fenced_``)."""
@@ -103,6 +108,9 @@ class FencedSettings:
     beat_key: str | None = None
     #: seconds the beat leader's lease lasts unrenewed: a standby takes over within it
     beat_ttl: float = 30.0
+    #: Celery's own ``result_extended`` (not a ``fenced_*`` setting), read with them: the
+    #: fenced backend's result rows keep the task's arguments, name and worker
+    result_extended: bool = False
 
     @property
     def routine_events(self) -> bool:
@@ -211,6 +219,8 @@ def _defaults() -> dict[str, Any]:
     """Each setting's name (``fenced_`` + the field) and default, read off FencedSettings."""
     values: dict[str, Any] = {}
     for setting in fields(FencedSettings):
+        if setting.name in CELERYS_OWN:
+            continue
         if setting.default is not MISSING:
             values[f"fenced_{setting.name}"] = setting.default
         else:
@@ -270,7 +280,12 @@ def load(app: Any = None) -> FencedSettings:
 _CACHE_ATTRIBUTE = "_celery_fenced_settings"
 #: The names a setting can have among ``app.conf``'s own changes (with and without the
 #: Django namespace).
-_CHANGE_KEYS = (*DEFAULTS, *(f"CELERY_{name.upper()}" for name in DEFAULTS))
+_CHANGE_KEYS = (
+    *DEFAULTS,
+    *(f"CELERY_{name.upper()}" for name in DEFAULTS),
+    *CELERYS_OWN,
+    *(f"CELERY_{name.upper()}" for name in CELERYS_OWN),
+)
 #: Bumped whenever Django announces a settings change.
 _generation = 0
 
@@ -366,6 +381,7 @@ def _load(app: Any) -> FencedSettings:
         beat_key=validate_beat_key(raw["fenced_beat_key"], "fenced_beat_key"),
         beat_ttl=validate_positive_seconds(raw["fenced_beat_ttl"], "fenced_beat_ttl"),
         atomic=validate_bool(raw["fenced_atomic"], "fenced_atomic"),
+        result_extended=bool(app.conf.find_value_for_key("extended", "result")),
     )
     for pattern, options in tasks.items():
         where = f"fenced_tasks[{pattern!r}]"

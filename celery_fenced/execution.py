@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,7 +11,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
 
-from celery_fenced import atomic, context, store, workflow
+from celery_fenced import atomic, conf, context, store, workflow
 from celery_fenced.exceptions import LeaseBusy, LeaseLost, StaleToken
 from celery_fenced.owners import execution_owner
 from celery_fenced.renewal import renewer
@@ -23,7 +24,6 @@ from celery_fenced.task_outcomes import DATABASE_RETRIES, UNLIMITED_RETRIES, Out
 from celery_fenced.task_publish import Publishing
 
 if TYPE_CHECKING:
-    from celery_fenced import conf
     from celery_fenced.store import HeldLease
 
 #: what an execution fenced out raises (its grant gone, its write refused): an expected
@@ -95,10 +95,11 @@ class FencedExecution(Publishing, Outcomes, Granting):
             carry(request, replace(state, lease=None))
         options = self.fenced_options()
         task_id = request.id or ""
-        alias = store.database_alias()
+        settings = conf.load()  # the store's (the current app's), read once for the grant
+        alias = store.database_alias(None, settings)
         try:
             key = self._lease_key_of(request, options, args, kwargs)
-            lease = self._take_lease(key, options, alias, task_id, args, kwargs)
+            lease = self._take_lease(key, options, alias, task_id, args, kwargs, settings)
         except LeaseBusy as busy:
             if options.on_busy != "retry" and options.outbox and task_id:
                 self._end_delivery(alias, task_id, args, kwargs)
@@ -169,10 +170,10 @@ class FencedExecution(Publishing, Outcomes, Granting):
         An atomic body (``lease_atomic``) runs inside one transaction on the lease's
         database, committed with the proof and the outcome (:mod:`celery_fenced.atomic`).
         """
-        call = super().__call__  # type: ignore[misc]
+        request = self.request
+        call = self._body_call(super().__call__, request)  # type: ignore[misc]
         if not options.atomic:
             return call(*args, **kwargs)
-        request = self.request
         return atomic.run_body(
             self.name,
             request,
@@ -183,6 +184,19 @@ class FencedExecution(Publishing, Outcomes, Granting):
             settled_by_backend=not request.called_directly and self._backend_is_fenced(),
             retry=self.retry,
         )
+
+    def _body_call(self, call: Callable[..., Any], request: Context) -> Callable[..., Any]:
+        """What runs the body: ``call`` (the class's own ``__call__`` beyond the fencing),
+        or, when that is Celery's ``Task.__call__`` and Celery's tracer runs the task,
+        ``run`` itself, as the tracer runs a task with no ``__call__`` of its own.
+
+        The tracer has pushed the task and its request already; ``Task.__call__`` would
+        push a copy of that request (Celery's ``Context``, a few dozen fields) around the
+        body of every delivery.
+        """
+        if getattr(call, "__func__", None) is not Task.__call__ or request.called_directly:
+            return call
+        return self.run  # type: ignore[no-any-return]
 
     def _backend_is_fenced(self) -> bool:
         return is_fenced_backend(self.backend)  # type: ignore[attr-defined]

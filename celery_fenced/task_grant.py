@@ -46,8 +46,11 @@ class Granting(FencedOptions):
         task_id: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        settings: conf.FencedSettings | None = None,
     ) -> HeldLease:
         """Grant this execution the key (or LeaseBusy); skip a completed duplicate.
+
+        ``settings``: the store's settings, already loaded by the caller.
 
         The grant statement itself refuses a job that already completed under its lease
         within ``fenced_duplicate_window``: the same task id and message, in a delivery
@@ -62,7 +65,7 @@ class Granting(FencedOptions):
         try:
             return store.grant(
                 key,
-                connection=store.kept_connection(alias, request),
+                connection=store.kept_connection(alias, request, settings),
                 ttl=options.ttl,
                 owner=execution_owner(request),
                 task_id=task_id,
@@ -74,6 +77,7 @@ class Granting(FencedOptions):
                 ends_pending=options.outbox and bool(task_id),
                 stamps_started=options.unique == "until_done",
                 limit=options.limit,
+                settings=settings,
             )
         except AlreadyCompleted:
             store.record_duplicate(

@@ -83,6 +83,7 @@ def grant(
     connection: BaseDatabaseWrapper | None = None,
     ends_pending: bool = False,
     stamps_started: bool = False,
+    settings: conf.FencedSettings | None = None,
 ) -> HeldLease:
     """:func:`acquire`, with what a task execution's grant carries besides (internal).
 
@@ -101,13 +102,14 @@ def grant(
     ``ends_pending``: the grant, a busy key or a completed duplicate ends ``task_id``'s
     pending row (:mod:`celery_fenced.store.outbox`), in the granting statement;
     ``stamps_started`` (a ``lease_unique="until_done"`` task): the grant keeps the row,
-    stamped with its token, instead.
+    stamped with its token, instead. ``settings``: the settings already loaded by the
+    caller (default: loaded here).
     """
     key = validate_key(key)
     limit = validators.validate_limit(limit, "limit")
     seconds = validate_ttl(ttl)
     owner = validate_owner(owner) if owner is not None else default_owner()
-    settings = conf.load()
+    settings = settings or conf.load()
     alias = database_alias(using, settings)
     window = settings.duplicate_window if delivery is not None else 0.0
     routine = settings.routine_events

@@ -66,8 +66,12 @@ IDLE_REPLACED_AFTER = 60.0
 PREPARE_THRESHOLD = 1
 
 
-def connection_for(alias: str, request: Any) -> BaseDatabaseWrapper | None:
+def connection_for(
+    alias: str, request: Any, settings: conf.FencedSettings | None = None
+) -> BaseDatabaseWrapper | None:
     """This thread's kept connection to ``alias`` for ``request``, or None: use Django's.
+
+    ``settings``: the settings already loaded by the caller (default: loaded here).
 
     Only for a task delivered to a worker: never for an eager or a direct call (they run
     in the caller's thread, a web request's, which must not be left holding a
@@ -89,7 +93,7 @@ def connection_for(alias: str, request: Any) -> BaseDatabaseWrapper | None:
         or django_connection.settings_dict.get("OPTIONS", {}).get("pool")
     ):
         return None
-    settings = conf.load()
+    settings = settings or conf.load()
     if not settings.keep_connection:
         return None
     mine = _this_thread()
@@ -141,11 +145,20 @@ def close_all() -> None:
 
 
 def _this_thread() -> dict[str, BaseDatabaseWrapper]:
-    state = getattr(_local, "state", None)
-    if state is None or state[0] != os.getpid():
-        state = (os.getpid(), {})  # a forked child opens its own
-        _local.state = state
-    return state[1]
+    """This thread's kept connections, by alias (a forked child starts with none)."""
+    mine: dict[str, BaseDatabaseWrapper] | None = getattr(_local, "kept", None)
+    if mine is None:
+        mine = _local.kept = {}
+    return mine
+
+
+def _forget_after_fork() -> None:
+    """A forked child opens its own connections: its parent's sessions are not its."""
+    global _local
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _remember(wrapper: BaseDatabaseWrapper) -> None:

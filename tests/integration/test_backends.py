@@ -101,6 +101,29 @@ def test_plain_task__stored_exactly_as_database_backend(
     assert row(routed, "fenced") == row(routed, "plain")
 
 
+@pytest.mark.parametrize("how", ["app.conf", "django settings"])
+def test_fenced_result__follows_result_extended_as_it_changes(
+    routed: str, how: str, settings: Any
+) -> None:
+    """The fenced backend keeps ``result_extended`` with the package's settings: each
+    success is stored as DatabaseBackend stores it, before and after the setting
+    changes, whichever way it changes."""
+    plain, fenced = DatabaseBackend(app=app), FencedDatabaseBackend(app=app)
+    extended = []
+    for on in (False, True, False):
+        if how == "app.conf":
+            app.conf.result_extended = on
+        else:
+            app.conf.pop("result_extended", None)
+            settings.CELERY_RESULT_EXTENDED = on
+        lease = acquire("job", ttl=30, task_id="fenced", using=routed)
+        plain.store_result("plain", {"on": on}, states.SUCCESS, request=request_for("plain"))
+        fenced.mark_as_done("fenced", {"on": on}, request=request_for("fenced", lease))
+        assert_same_row_but_token(routed, lease)
+        extended.append(row(routed, "fenced")["task_name"] is not None)
+    assert extended == [False, True, False]
+
+
 @pytest.mark.core
 @pytest.mark.parametrize(
     ("state", "value"),

@@ -6,15 +6,17 @@ import threading
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, Task, current_task
 from celery.exceptions import Retry
 from django.db import connections
 
 from celery_fenced import FencedTask, LeaseBusy, acquire
+from celery_fenced.execution import FencedExecution
 from celery_fenced.models import Lease
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import state_of
 from tests.conftest import DATABASE_ALIASES
+from tests.tracing import fenced_app, trace
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
 
@@ -140,3 +142,55 @@ def test_direct_call__threads_each_hold_and_release_their_own_lease(lease_db: st
     assert not Lease.objects.using(lease_db).filter(released_at__isnull=True).exists()
     assert not [held for held in renewer().held() if held.key.startswith("report:")]
     assert state_of(bound._default_request).lease is None
+
+
+@db
+def test_traced_body__runs_under_the_request_the_tracer_pushed(lease_db: str) -> None:
+    """Through Celery's tracer, as in a worker's pool process, the body runs as Celery
+    runs a task with no ``__call__`` of its own: under the tracer's request (no copy of
+    it pushed around the body), which carries the grant's token and key."""
+    app = fenced_app("calls-traced")
+    seen: list[tuple[Any, ...]] = []
+
+    @app.task(name="calls.traced", bind=True, base=FencedTask, shared=False, lease_key="t:{n}")
+    def traced(self: Any, n: int) -> int:
+        request = self.request
+        seen.append((len(self.request_stack.stack), request.id, request.fencing_token))
+        seen.append((request.lease_key, list(request.args), current_task.name))
+        return n
+
+    retval, info, *_ = trace(traced, "traced-1", 7)
+    assert (retval, info) == (7, None)
+    lease = Lease.objects.using(lease_db).get(key="t:7")
+    assert seen == [(1, "traced-1", lease.token), ("t:7", [7], "calls.traced")]
+
+
+class _Timed(Task):  # type: ignore[type-arg]
+    """A base class of the application's with a ``__call__`` of its own."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        calls_seen.append(("base __call__", len(self.request_stack.stack)))  # type: ignore[attr-defined]
+        return super().__call__(*args, **kwargs)
+
+
+calls_seen: list[tuple[str, int]] = []
+
+
+@db
+def test_traced_body__a_base_class_call_of_its_own_still_runs(lease_db: str) -> None:
+    """A task fenced through the settings keeps its class's own ``__call__``: the body
+    runs through it, under the grant, as it did unfenced."""
+    calls_seen.clear()
+    app = fenced_app("calls-own-call")
+    app.conf.fenced_tasks = {"calls.own_call": {"ttl": 30, "key": "own:{n}"}}
+
+    @app.task(name="calls.own_call", bind=True, base=_Timed, shared=False)
+    def own_call(self: Any, n: int) -> int:
+        calls_seen.append(("body", self.request.fencing_token))
+        return n
+
+    assert isinstance(app.tasks["calls.own_call"], FencedExecution)  # fenced at finalize
+    assert trace(own_call, "own-1", 3)[:2] == (3, None)
+    token = Lease.objects.using(lease_db).get(key="own:3").token
+    # Celery's Task.__call__ under the base's pushes the body's own request copy
+    assert calls_seen == [("base __call__", 1), ("body", token)]

@@ -50,7 +50,9 @@ def for_alias(
     """
     if portable:
         return ORMDialect(alias)
-    make = VENDORS.get(connections[alias].vendor, ORMDialect)
+    make = _vendor_dialects.get(alias)
+    if make is None:
+        make = _vendor_dialects[alias] = VENDORS.get(connections[alias].vendor, ORMDialect)
     kept = _made if connection is None else _made_on(connection)
     dialect = kept.get((alias, make))
     if dialect is None:
@@ -58,6 +60,9 @@ def for_alias(
     return dialect
 
 
+#: each alias's dialect class, by its vendor (a database's vendor is its engine's: the
+#: same in every thread, for good)
+_vendor_dialects: dict[str, Callable[[str, BaseDatabaseWrapper | None], Dialect]] = {}
 #: the dialects made for Django's connections, by alias and class
 _made: dict[tuple[str, object], Dialect] = {}
 #: where the dialects made for one kept connection are kept, on that connection
