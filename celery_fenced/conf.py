@@ -286,6 +286,7 @@ _CHANGE_KEYS = (
     *CELERYS_OWN,
     *(f"CELERY_{name.upper()}" for name in CELERYS_OWN),
 )
+_CHANGE_KEY_SET = frozenset(_CHANGE_KEYS)
 #: Bumped whenever Django announces a settings change.
 _generation = 0
 
@@ -304,12 +305,10 @@ def _stamp(app: Any) -> tuple[tuple[int, int], tuple[Any, ...]] | None:
     if not isinstance(changes, dict):
         return None
     maps = conf.maps
-    return (_generation, len(maps)), (
-        _django_holder(),
-        conf,
-        *maps,
-        *map(changes.get, _CHANGE_KEYS),
-    )
+    # most apps change none of these names at run time: then only that is compared
+    # (the stamp's length tells the two cases apart)
+    changed = () if _CHANGE_KEY_SET.isdisjoint(changes) else map(changes.get, _CHANGE_KEYS)
+    return (_generation, len(maps)), (_django_holder(), conf, *maps, *changed)
 
 
 def _django_holder() -> object:

@@ -187,6 +187,21 @@ def test_load__kept_until_the_app_conf_changes() -> None:
     assert conf.load(app).on_busy == "fail"
 
 
+def test_load__kept_until_a_first_fenced_name_is_changed_on_the_app_and_after() -> None:
+    """An app whose configuration changed none of the package's names at run time, then
+    one, then none again: each change is seen by the next call."""
+    app = fresh_app()
+    app.conf.worker_concurrency = 3  # a change of Celery's own: nothing of ours
+    first = conf.load(app)
+    assert conf.load(app) is first
+    app.conf.fenced_default_ttl = 7
+    assert conf.load(app).default_ttl == 7.0
+    app.conf.pop("fenced_default_ttl")
+    assert conf.load(app).default_ttl == 60.0
+    app.conf.result_extended = True  # Celery's own, read with them
+    assert conf.load(app).result_extended is True
+
+
 def test_load__kept_until_django_settings_change(settings: Any) -> None:
     app = fresh_app()
     assert conf.load(app).default_ttl == 60.0
