@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.profile [--tasks N] [--top K]`` (on demand; never run by the tests).
 Both run in this one process through Celery's own tracer (``build_tracer``, as a pool
-process runs a delivery), with the connections kept, on PostgreSQL (``FENCED_PG_*``,
+process runs a delivery, with the worker's optimizations installed), with the
+connections kept, on PostgreSQL (``FENCED_PG_*``,
 database ``BENCH_PG_NAME``, migrated here): ``bench.noop_fenced`` (``FencedTask``, its
 result stored by ``FencedDatabaseBackend``) against ``bench.noop_plain`` (a plain task,
 stored by django-celery-results' ``DatabaseBackend``). Each runs under ``cProfile``; the
@@ -37,6 +38,10 @@ def _setup() -> Any:
     from testproject.celery import app
 
     app.loader.import_default_modules()
+    from celery.app.trace import setup_worker_optimizations
+
+    # as in a worker's pool process: Celery's own shortcut past Task.__call__
+    setup_worker_optimizations(app, hostname="profile@localhost")
     from django_celery_results.backends.database import DatabaseBackend
 
     import benchmarks.tasks  # noqa: F401  (registers the tasks)

@@ -79,10 +79,17 @@ class FencedExecution(Publishing, Outcomes, Granting):
         self.request_stack.push(Context(*args, **fields))  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.request_stack.top is None:  # type: ignore[attr-defined]
-            # task(...) called directly: without a request of its own the call would
-            # share Celery's default request (and its lease) with every other thread
-            self.push_request()
+        top = self.request_stack.top  # type: ignore[attr-defined]
+        if top is None or state_of(top).lease is not None:
+            # task(...) called directly, with a request of its own. Outside any execution
+            # of the task it would share Celery's default request (and its lease) with
+            # every other thread; called by the task's own body (a recursion), it would
+            # take the running execution's request, whose grant then gave way to the
+            # call's: that execution's outcome proven with the wrong token
+            if top is None:
+                self.push_request()
+            else:
+                self.request_stack.push(Context())  # type: ignore[attr-defined]
             try:
                 return FencedExecution.__call__(self, *args, **kwargs)
             finally:
@@ -90,9 +97,6 @@ class FencedExecution(Publishing, Outcomes, Granting):
         request = self.request
         # A token or key in the message is never trusted: only acquisition sets them.
         stamp_grant(request, None, None)
-        state = state_of(request)
-        if state.lease is not None:
-            carry(request, replace(state, lease=None))
         options = self.fenced_options()
         task_id = request.id or ""
         settings = conf.load()  # the store's (the current app's), read once for the grant

@@ -12,7 +12,8 @@ from celery.worker.request import Request
 from django.db.models import F, Value
 from django.db.models.functions import Concat
 
-from celery_fenced import FencedTask, current_lease, fenced_update
+from celery_fenced import FencedTask, acquire, current_lease, fenced_update
+from celery_fenced.models import Lease
 from testproject.demo.models import LedgerEntry, Report
 
 
@@ -39,6 +40,19 @@ def _rebuild(task: Any, report_id: int, seconds: float) -> dict[str, Any]:
 def rebuild_report(self: Any, report_id: int, seconds: float = 0.0) -> dict[str, Any]:
     """Rebuild report ``report_id`` (taking ``seconds``) and write it fenced."""
     return _rebuild(self, report_id, seconds)
+
+
+@shared_task(bind=True, base=FencedTask, lease_key="descend:{n}", lease_ttl=30)
+def descend(self: Any, n: int, take_over: bool = False) -> dict[str, Any]:
+    """Call itself directly on ``n - 1`` (for the tests); ``take_over``: then let another
+    holder take this execution's key over, as if its grant had run out meanwhile."""
+    if n > 0:
+        descend(n - 1)
+        if take_over:
+            mine = Lease.objects.filter(key=self.request.lease_key)
+            mine.update(expires_at=F("acquired_at"))
+            acquire(self.request.lease_key, ttl=30, task_id="took-over")
+    return {"n": n, "key": self.request.lease_key, "token": self.request.fencing_token}
 
 
 @shared_task(

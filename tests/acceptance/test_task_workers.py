@@ -32,6 +32,7 @@ def alias(alias_with_mariadb: str) -> str:
 
 PROBE = "testproject.demo.tasks.probe"
 EFFECT = "testproject.demo.tasks.apply_effect"
+DESCEND = "testproject.demo.tasks.descend"
 
 
 def result_of(alias: str, task_id: str, timeout: float = 60) -> Any:
@@ -268,6 +269,23 @@ def test_busy_policy__second_delivery_of_a_held_key(
             not TaskResult.objects.using(alias).filter(task_id=second, status="SUCCESS").exists()
         )
         assert Lease.objects.using(alias).get(key="job:j").token == 1
+
+
+@pytest.mark.parametrize("alias", ["postgres"])
+def test_body_calling_its_own_task__taken_over_its_success_is_refused(
+    alias: str, start_worker: Any
+) -> None:
+    """A body calls its own task directly (on other arguments), then its own grant is
+    taken over: the worker refuses its success, as any stale execution's, instead of
+    proving it under the call's grant; the call's grant is released at its end."""
+    start_worker("a")
+    task_id = send(DESCEND, queue=start_worker.queue, args=(1,), kwargs={"take_over": True})
+    status, value = result_of(alias, task_id)
+    assert status == "FAILURE", value
+    row = TaskResult.objects.using(alias).get(task_id=task_id)
+    assert json.loads(row.meta)["stale_fencing_token"] == 1
+    assert Lease.objects.using(alias).get(key="descend:1").token == 2  # the other holder's
+    assert Lease.objects.using(alias).get(key="descend:0").released_at is not None
 
 
 @pytest.mark.parametrize("alias", ["postgres"])

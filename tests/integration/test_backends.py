@@ -110,17 +110,20 @@ def test_fenced_result__follows_result_extended_as_it_changes(
     changes, whichever way it changes."""
     plain, fenced = DatabaseBackend(app=app), FencedDatabaseBackend(app=app)
     extended = []
-    for on in (False, True, False):
-        if how == "app.conf":
-            app.conf.result_extended = on
-        else:
-            app.conf.pop("result_extended", None)
-            settings.CELERY_RESULT_EXTENDED = on
-        lease = acquire("job", ttl=30, task_id="fenced", using=routed)
-        plain.store_result("plain", {"on": on}, states.SUCCESS, request=request_for("plain"))
-        fenced.mark_as_done("fenced", {"on": on}, request=request_for("fenced", lease))
-        assert_same_row_but_token(routed, lease)
-        extended.append(row(routed, "fenced")["task_name"] is not None)
+    try:
+        for on in (False, True, False):
+            if how == "app.conf":
+                app.conf.result_extended = on
+            else:
+                app.conf.pop("result_extended", None)
+                settings.CELERY_RESULT_EXTENDED = on
+            lease = acquire("job", ttl=30, task_id="fenced", using=routed)
+            plain.store_result("plain", {"on": on}, states.SUCCESS, request=request_for("plain"))
+            fenced.mark_as_done("fenced", {"on": on}, request=request_for("fenced", lease))
+            assert_same_row_but_token(routed, lease)
+            extended.append(row(routed, "fenced")["task_name"] is not None)
+    finally:
+        app.conf.pop("result_extended", None)  # the project's setting again
     assert extended == [False, True, False]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from celery import Celery, Task, current_task
 from celery.exceptions import Retry
 from django.db import connections
+from django_celery_results.models import TaskResult
 
 from celery_fenced import FencedTask, LeaseBusy, acquire
 from celery_fenced.execution import FencedExecution
@@ -16,6 +18,7 @@ from celery_fenced.models import Lease
 from celery_fenced.renewal import renewer
 from celery_fenced.request_state import state_of
 from tests.conftest import DATABASE_ALIASES
+from tests.integration.test_seams import expire
 from tests.tracing import fenced_app, trace
 
 db = pytest.mark.django_db(transaction=True, databases=DATABASE_ALIASES)
@@ -194,3 +197,56 @@ def test_traced_body__a_base_class_call_of_its_own_still_runs(lease_db: str) -> 
     token = Lease.objects.using(lease_db).get(key="own:3").token
     # Celery's Task.__call__ under the base's pushes the body's own request copy
     assert calls_seen == [("base __call__", 1), ("body", token)]
+
+
+@db
+def test_body_calling_its_own_task__each_call_holds_and_releases_its_own_grant(
+    lease_db: str,
+) -> None:
+    """A body that calls its own task directly (a recursion on other arguments): the call
+    runs under a grant of its own key, released at its end, and the running execution
+    keeps its own request and grant, released with its outcome."""
+    app = fenced_app("calls-recursion")
+    seen: list[tuple[int, str, str | None]] = []
+
+    @app.task(name="calls.down", bind=True, base=FencedTask, shared=False, lease_key="d:{n}")
+    def down(self: Any, n: int) -> int:
+        if n > 0:
+            down(n - 1)
+        seen.append((n, self.request.lease_key, self.request.id))
+        return n
+
+    assert trace(down, "down-2", 2)[:2] == (2, None)
+    assert seen == [(0, "d:0", None), (1, "d:1", None), (2, "d:2", "down-2")]
+    leases = Lease.objects.using(lease_db).order_by("key")
+    assert [(x.key, x.release_state) for x in leases] == [
+        ("d:0", ""),
+        ("d:1", ""),
+        ("d:2", "SUCCESS"),
+    ]
+    assert all(x.released_at is not None for x in leases)
+    assert not [x for x in renewer().held() if x.key.startswith("d:")]
+    stored = TaskResult.objects.using(lease_db).get(task_id="down-2")
+    assert json.loads(stored.meta)["lease_key"] == "d:2"
+
+
+@db
+def test_body_calling_its_own_task__its_stale_outcome_still_refused(lease_db: str) -> None:
+    """The execution that called its own task directly is then taken over (its grant
+    expired, another holder took the key): its success is refused, as any stale
+    execution's, not proven under the call's grant."""
+    app = fenced_app("calls-recursion-stale")
+
+    @app.task(name="calls.stale", bind=True, base=FencedTask, shared=False, lease_key="s:{n}")
+    def stale(self: Any, n: int) -> int:
+        if n > 0:
+            stale(n - 1)
+            expire(lease_db, Lease.objects.using(lease_db).get(key="s:1"))
+            acquire("s:1", ttl=30, task_id="other", using=lease_db)  # token 2 takes over
+        return n
+
+    trace(stale, "stale-1", 1)
+    stored = TaskResult.objects.using(lease_db).get(task_id="stale-1")
+    assert (stored.status, json.loads(stored.meta)["stale_fencing_token"]) == ("FAILURE", 1)
+    assert Lease.objects.using(lease_db).get(key="s:0").released_at is not None
+    assert not [x for x in renewer().held() if x.key.startswith("s:")]
