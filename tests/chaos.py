@@ -1077,6 +1077,7 @@ def check(
         *workload.check_unique(jobs, deduplicated),
         *workload.check_permits(history, PERMITS),
         *check_atomic_jobs(jobs, stored, entries, runs),
+        *workload.check_own_grant(jobs, results),
     ]:
         seam_counts[kind] += 1
         cause = PLAIN_SEND_REFUSED if any(f"{name}:" in text for name in refused) else ""
@@ -1096,6 +1097,7 @@ def check(
     rows_out: list[tuple[str, Any]] = [
         ("trials (jobs)", len(jobs)),
         ("jobs by kind", ", ".join(f"{k} {n}" for k, n in Counter(j.kind for j in jobs).items())),
+        ("single jobs whose body called its own task", sum(j.nested for j in jobs)),
         ("workers (prefork/threads, 2 each)", options.workers),
         ("pauses (whole worker)", events.pauses),
         ("pauses (main process only)", events.main_pauses),

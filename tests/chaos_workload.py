@@ -97,7 +97,10 @@ SEAMS = {
     "atomic-effect": "atomic jobs whose plain update did not commit once, by the stored run (i)",
     "atomic-child": "atomic jobs whose child was not sent once, by the stored run (j)",
     "atomic-lost": "atomic jobs (or their children) without a final state (k)",
+    "own-grant": "results proven under another grant than their execution's own (m)",
 }
+#: the share of chaos.guarded jobs whose body first calls its own task directly
+NESTED_SHARE = 0.35
 #: the tuple a unique job's key names (``batch:[1, 2]`` once the message is decoded)
 UNIQUE_PARTS = (1, 2)
 
@@ -118,6 +121,8 @@ class Job:
     plain: frozenset[str] = frozenset()
     #: unique: the task id each call returned (a refused call: the standing copy's)
     returned: tuple[str, ...] = ()
+    #: single chaos.guarded: its body first calls its own task directly (``nested``)
+    nested: bool = False
 
 
 # -- sending -----------------------------------------------------------------------------
@@ -150,8 +155,18 @@ class Sender:
         sent_at = dt.datetime.now()
         if kind == "single":
             task, seconds = self.rng.choice(TASKS), self.seconds()
-            result = self.sig(task, (name,), {"seconds": seconds}).apply_async()
-            return Job(name, task, str(result.id), seconds, sent_at, ids={"task": result.id})
+            nested = task == "chaos.guarded" and self.rng.random() < NESTED_SHARE
+            kwargs = {"seconds": seconds, **({"nested": True} if nested else {})}
+            result = self.sig(task, (name,), kwargs).apply_async()
+            return Job(
+                name,
+                task,
+                str(result.id),
+                seconds,
+                sent_at,
+                ids={"task": result.id},
+                nested=nested,
+            )
         job = getattr(self, f"send_{kind}")(f"{name}-{kind}")
         job.sent_at = sent_at
         return job
@@ -393,6 +408,22 @@ def index(trace: Iterable[Any]) -> tuple[dict[str, list[Any]], dict[str, list[An
     for row in trace:
         (runs if row.kind == "run" else sent)[row.task_id].append(row)
     return runs, sent
+
+
+def check_own_grant(jobs: list[Job], results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(m) Each single ``chaos.guarded`` job's SUCCESS is proven under its own key
+    (``chaos:<job>``), whether or not its body called its own task first."""
+    found: list[tuple[str, str, str]] = []
+    for job in jobs:
+        result = results.get(job.task_id)
+        if job.task != "chaos.guarded" or result is None or result.status != "SUCCESS":
+            continue
+        proven = json.loads(result.meta or "{}").get("lease_key")
+        if proven != f"chaos:{job.name}":
+            nested = " (its body called its own task)" if job.nested else ""
+            text = f"{job.name}{nested}: SUCCESS proven under {proven!r}"
+            found.append(("own-grant", job.name, text))
+    return found
 
 
 def check_seams(jobs: list[Job], seams: Seams) -> list[tuple[str, str, str]]:

@@ -38,12 +38,21 @@ from typing import Any
 
 from celery import shared_task, signature
 from celery._state import get_current_task
+from celery.exceptions import Retry
 from celery.signals import after_task_publish
 from django.db import InterfaceError, OperationalError, connections, transaction
 from django.db.models import Exists, F, Subquery
 from django.db.models.functions import Now
 
-from celery_fenced import FencedTask, current_lease, fenced_update, force_release
+from celery_fenced import (
+    FencedTask,
+    LeaseBusy,
+    LeaseLost,
+    StaleToken,
+    current_lease,
+    fenced_update,
+    force_release,
+)
 from celery_fenced.models import LeaseEvent
 from celery_fenced.store import HeldLease
 from testproject.demo.models import ChaosEntry, ChaosSlot
@@ -113,8 +122,17 @@ def _outcome(job: str, lease: HeldLease, applied: bool) -> dict[str, Any]:
     lease_reclaim=True,
     **RETRY,
 )
-def guarded(self: Any, job: str, seconds: float = 0.0) -> dict[str, Any]:
-    """Work for ``seconds``, then append the job's ledger row under the lease's guard."""
+def guarded(self: Any, job: str, seconds: float = 0.0, nested: bool = False) -> dict[str, Any]:
+    """Work for ``seconds``, then append the job's ledger row under the lease's guard.
+
+    ``nested``: first call itself directly, as a body may, for a job of its own
+    (``<job>.nested``): that call runs under a grant of its own key, and this execution's
+    write and result stay under its own grant. The nested job's outcome is not checked,
+    only that nothing it wrote was stale; a pause that fences it out ends it alone.
+    """
+    if nested:
+        with contextlib.suppress(LeaseBusy, LeaseLost, StaleToken, Retry):
+            guarded(f"{job}.nested")
     _work(seconds)
     lease = self.lease
     with _fenced(lease):

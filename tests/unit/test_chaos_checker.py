@@ -90,9 +90,14 @@ def write(job: str, key: str, token: int, owner: str, seen: int, ended: bool = F
     )
 
 
-def done(task_id: str, status: str = "SUCCESS", result: Any = None) -> None:
+def done(task_id: str, status: str = "SUCCESS", result: Any = None, key: str = "chaos:j1") -> None:
+    """Task ``task_id``'s stored result, proven (as the fenced backend stores it) under
+    ``key``."""
     TaskResult.objects.create(
-        task_id=task_id, status=status, result=json.dumps(result or {"applied": True})
+        task_id=task_id,
+        status=status,
+        result=json.dumps(result or {"applied": True}),
+        meta=json.dumps({"lease_key": key}),
     )
 
 
@@ -585,3 +590,29 @@ def test_checker__atomic_children_are_named_by_the_stored_token() -> None:
     chaos_workload.add_atomic_children([job, pending], stored)
     assert job.ids == {"task": "t1", "child": chaos_tasks.atomic_child_id("t1", 3)}
     assert pending.ids == {"task": "t2"}
+
+
+def test_check_own_grant__a_success_proven_under_another_key_is_one_violation() -> None:
+    """(m): a chaos.guarded job's SUCCESS must carry its own key, nested call or not."""
+
+    class Result:
+        def __init__(self, status: str, key: str) -> None:
+            self.status, self.meta = status, json.dumps({"lease_key": key, "fencing_token": 1})
+
+    jobs = [
+        chaos_workload.Job(f"j{n}", "chaos.guarded", f"t{n}", 0.0, nested=n > 0) for n in range(4)
+    ]
+    results = {
+        "t0": Result("SUCCESS", "chaos:j0"),
+        "t1": Result("SUCCESS", "chaos:j1"),
+        "t2": Result("SUCCESS", "chaos:j2.nested"),  # proven under its call's grant
+        "t3": Result("FAILURE", "chaos:j3.nested"),  # not a success: (m) says nothing
+    }
+    found = chaos_workload.check_own_grant(jobs, results)
+    assert found == [
+        (
+            "own-grant",
+            "j2",
+            "j2 (its body called its own task): SUCCESS proven under 'chaos:j2.nested'",
+        )
+    ]
