@@ -194,9 +194,10 @@ class FencedExecution(Publishing, Outcomes, Granting):
         or, when that is Celery's ``Task.__call__`` and Celery's tracer runs the task,
         ``run`` itself, as the tracer runs a task with no ``__call__`` of its own.
 
-        The tracer has pushed the task and its request already; ``Task.__call__`` would
-        push a copy of that request (Celery's ``Context``, a few dozen fields) around the
-        body of every delivery.
+        The tracer has pushed the task and its request already. In a worker, Celery's
+        stack protection runs ``run`` the same way; elsewhere (an eager run, a tracer
+        built by hand) ``Task.__call__`` would push a copy of the request around the
+        body, and what the body did to it (the children it sent) would be lost with it.
         """
         if getattr(call, "__func__", None) is not Task.__call__ or request.called_directly:
             return call
