@@ -50,7 +50,20 @@ def require_servers() -> None:
 def django_db_setup(django_db_setup: Any) -> Iterator[None]:
     """pytest-django's test databases; before they are dropped, no session of a thread of
     ours is left on them: the renewer's (idle, it closes its connection) and the kept
-    connections of grants (``store.owned``)."""
+    connections of grants (``store.owned``).
+
+    Once they are made, the content types and permissions are no longer made again
+    after the flush that ends each transactional test (Django's ``post_migrate``, on
+    every database a test names: most of what such a test costs). A test that needs a
+    permission makes it (``login``); a content type is made when asked for."""
+    from django.contrib.auth.management import create_permissions
+    from django.contrib.contenttypes.management import create_contenttypes
+    from django.db.models.signals import post_migrate
+
+    post_migrate.disconnect(
+        create_permissions, dispatch_uid="django.contrib.auth.management.create_permissions"
+    )
+    post_migrate.disconnect(create_contenttypes)
     yield
     import time
 
@@ -86,6 +99,15 @@ def _other_sessions() -> int:
             return int(found[0])
     except psycopg.OperationalError:
         return 0  # its test database was not set up (no test of this run used it)
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_content_types() -> None:
+    """A flush took the content types with it (and they are not made again: see
+    ``django_db_setup``): none is served from the cache of an earlier test."""
+    from django.contrib.contenttypes.models import ContentType
+
+    ContentType.objects.clear_cache()
 
 
 @pytest.fixture(autouse=True)

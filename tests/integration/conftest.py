@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from celery import Celery, signals
+from django.apps import apps
+from django.contrib.auth.management import create_permissions
 from django.contrib.auth.models import Permission, User
 from django.db import connections
 from django.test import Client
@@ -68,6 +70,8 @@ def login(client: Client) -> Callable[..., Client]:
     """Log ``client`` in as a staff user holding the given celery_fenced permissions."""
 
     def log_in(*codenames: str, username: str = "alice") -> Client:
+        # a flush took them (they are not made again after each test: tests/conftest.py)
+        create_permissions(apps.get_app_config("celery_fenced"), verbosity=0)
         user = User.objects.create_user(username, password="pw", is_staff=True)
         perms = Permission.objects.filter(
             content_type__app_label="celery_fenced", codename__in=codenames
