@@ -13,7 +13,7 @@ from celery import Celery, signals
 from django.apps import apps
 from django.contrib.auth.management import create_permissions
 from django.contrib.auth.models import Permission, User
-from django.db import connections
+from django.db import connections, router
 from django.test import Client
 
 from celery_fenced import hooks
@@ -71,7 +71,11 @@ def login(client: Client) -> Callable[..., Client]:
 
     def log_in(*codenames: str, username: str = "alice") -> Client:
         # a flush took them (they are not made again after each test: tests/conftest.py)
-        create_permissions(apps.get_app_config("celery_fenced"), verbosity=0)
+        create_permissions(
+            apps.get_app_config("celery_fenced"),
+            verbosity=0,
+            using=router.db_for_write(Permission),
+        )
         user = User.objects.create_user(username, password="pw", is_staff=True)
         perms = Permission.objects.filter(
             content_type__app_label="celery_fenced", codename__in=codenames
