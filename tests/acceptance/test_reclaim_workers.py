@@ -370,7 +370,12 @@ def test_job_expired_while_its_holder_was_stopped__revoked_by_the_reclaimer_not_
         assert ("resent", t) not in story(alias, task_id)
         forced = LeaseEvent.objects.using(alias).get(task_id=task_id, kind="force_released")
         assert forced.detail["by"] == EXPIRED
-        assert "recorded REVOKED, not sent again" in reclaimer.output()
+        # its log line follows the commit that the REVOKED row shows
+        wait_for(
+            lambda: "recorded REVOKED, not sent again" in reclaimer.output(),
+            30,
+            "the reclaimer's log line",
+        )
 
         a.resume()  # A wakes: its ledger write and its result write are refused
         rejected = LeaseEvent.objects.using(alias).filter(
