@@ -582,19 +582,29 @@ def test_atomic_body_whose_session_dies_before_the_settle__job_runs_again(
     committed, so its grant is ended and the job sent again (not ended as a FAILURE); the
     second delivery commits once."""
     _needs_sessions(lease_db)
-    result = broker.app.send_task("atomic.cut_last", args=["inv-1"])
-    deliver(broker.app, broker.one("atomic.cut_last"))
-    sent = broker.sent("atomic.cut_last")
+    _sent_again_then_committed_once(broker, lease_db, "atomic.cut_last", "cut last")
+    assert len(broker.sent("atomic.cut_last")) == 2
+
+
+def _sent_again_then_committed_once(
+    broker: Broker, lease_db: str, task: str, done_as: str
+) -> None:
+    """Deliver ``task`` for ``inv-1``, whose settle fails after the body returned: nothing
+    of the body commits, its grant is ended unreleased and the job is sent again with its
+    task id, RETRY recorded; the copy, delivered, commits once (``done_as``: what its
+    body returns, with its thread's name)."""
+    result = broker.app.send_task(task, args=["inv-1"])
+    deliver(broker.app, broker.one(task))
+    sent = broker.sent(task)
     assert [message[0]["id"] for message in sent] == [result.id, result.id]
     assert status(lease_db, result.id)[0] == states.RETRY
     assert report(lease_db) == ("", "")
     assert broker.sent("atomic.notify") == []
     assert ended_unreleased(lease_db, "charge:inv-1")  # the copy sent again takes it
     deliver(broker.app, sent[1])
-    assert status(lease_db, result.id) == (states.SUCCESS, '"cut last by MainThread"')
+    assert status(lease_db, result.id) == (states.SUCCESS, f'"{done_as} by MainThread"')
     assert report(lease_db) == ("MainThread;", "MainThread")
     assert len(broker.sent("atomic.notify")) == 1
-    assert len(broker.sent("atomic.cut_last")) == 2
 
 
 def test_atomic_body_idle_past_its_bound_before_the_settle__job_runs_again(
@@ -606,17 +616,7 @@ def test_atomic_body_idle_past_its_bound_before_the_settle__job_runs_again(
     sent again, not ended as a FAILURE (seen in the chaos runner)."""
     if connections[lease_db].vendor != "postgresql":
         pytest.skip("waits for the server to end the session: PostgreSQL's view of it")
-    result = broker.app.send_task("atomic.idle_last", args=["inv-1"])
-    deliver(broker.app, broker.one("atomic.idle_last"))
-    sent = broker.sent("atomic.idle_last")
-    assert [message[0]["id"] for message in sent] == [result.id, result.id]
-    assert status(lease_db, result.id)[0] == states.RETRY
-    assert report(lease_db) == ("", "")
-    assert broker.sent("atomic.notify") == []
-    deliver(broker.app, sent[1])
-    assert status(lease_db, result.id) == (states.SUCCESS, '"idle last by MainThread"')
-    assert report(lease_db) == ("MainThread;", "MainThread")
-    assert len(broker.sent("atomic.notify")) == 1
+    _sent_again_then_committed_once(broker, lease_db, "atomic.idle_last", "idle last")
 
 
 def test_atomic_body_whose_transaction_cannot_begin__job_sent_again_not_failed(
