@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from celery.exceptions import Ignore
 from django.db import DatabaseError, InterfaceError, OperationalError, connections, transaction
@@ -300,13 +300,20 @@ def ended_by_the_bound(exc: BaseException) -> bool:
     return False
 
 
+def lost_with_its_session(exc: BaseException) -> TypeGuard[Exception]:
+    """Whether ``exc`` took a body's transaction with its session: the database away (a
+    restart, a lost link, a deadlock), or the server ending the session idle in it past
+    its bound (a worker paused in the body, or between its return and the settle)."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or ended_by_the_bound(exc)
+
+
 def _session_ended(exc: BaseException, lease: HeldLease) -> bool:
     """Whether ``exc`` says the body's session was ended under it: by the bound (idle
     past the ttl: a paused worker), or lost while the grant lapsed with no successor."""
+    if not lost_with_its_session(exc):
+        return False
     if ended_by_the_bound(exc):
         return True
-    if not isinstance(exc, (OperationalError, InterfaceError)):
-        return False
     try:  # the connection went away: a pause the bound has not named, say
         return store.expired_unclaimed(lease)
     except Exception:
@@ -396,5 +403,6 @@ __all__ = [
     "body_of",
     "close_leaked",
     "ended_by_the_bound",
+    "lost_with_its_session",
     "run_body",
 ]

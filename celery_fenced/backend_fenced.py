@@ -5,14 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeGuard
+from typing import Any
 
 from celery import states
 from celery.app.task import Context
 from django.db import (
     DatabaseError,
-    InterfaceError,
-    OperationalError,
     connections,
     models,
     router,
@@ -127,13 +125,13 @@ class FencedWrites(DatabaseBackend):  # type: ignore[misc]
             return False
         except BaseException as exc:
             body.rollback()
-            if _lost_with_its_session(exc):
+            if atomic.lost_with_its_session(exc):
                 return self._after_body_lost(task_id, request, lease, exc)
             raise
         try:
             body.commit()
         except Exception as exc:
-            if body.committed or not _lost_with_its_session(exc):
+            if body.committed or not atomic.lost_with_its_session(exc):
                 raise
             return self._after_body_lost(task_id, request, lease, exc)
         finally:
@@ -429,13 +427,6 @@ _EXTENDED_FIELDS = (
 )
 
 
-def _lost_with_its_session(exc: BaseException) -> TypeGuard[Exception]:
-    """Whether ``exc`` took an atomic body's transaction with its session: the database
-    away (a restart, a lost link, a deadlock), or the server ending the session idle in
-    it past its bound (a worker paused between the body's return and the settle)."""
-    return isinstance(exc, (OperationalError, InterfaceError)) or atomic.ended_by_the_bound(exc)
-
-
 def _result_values(model: Any, fields: dict[str, Any], connection: Any) -> list[Any]:
     """The values of a new ``model`` row with ``fields`` (the other columns their
     defaults), in :data:`store.RESULT_COLUMNS` order, as its fields prepare them for
@@ -447,16 +438,13 @@ def _result_values(model: Any, fields: dict[str, Any], connection: Any) -> list[
     task's success.
     """
     now = None
-    prepared_now: dict[type, Any] = {}  # now, as each class of date field prepares it
     values: list[Any] = []
     for column, field, kind in _result_columns(model):
         if kind == "now":
             now = now or timezone.now()
-            if type(field) not in prepared_now:
-                prepared_now[type(field)] = field.get_db_prep_save(now, connection)
-            values.append(prepared_now[type(field)])
-            continue
-        value = fields[column] if column in fields else field.get_default()
+            value = now
+        else:
+            value = fields[column] if column in fields else field.get_default()
         if kind == "text":
             values.append(value if value is None or isinstance(value, str) else str(value))
         else:
